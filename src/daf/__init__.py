@@ -1,0 +1,16 @@
+"""DAF: train in small memory by storing what autograd saves for backward, compressed.
+
+>>> import torch, daf
+>>> model = daf.wrap(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()), bits=2, min_numel=1)
+>>> model(torch.randn(256, 64)).sum().backward()
+>>> daf.report(model).raw_bytes > daf.report(model).stored_bytes
+True
+"""
+
+from daf.api import compress, report, session_of, unwrap, wrap
+from daf.config import Config
+from daf.report import Report
+
+__version__ = "0.1.0"
+
+__all__ = ["wrap", "unwrap", "compress", "report", "session_of", "Config", "Report"]

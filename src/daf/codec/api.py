@@ -1,0 +1,38 @@
+"""Codec front end: any tensor in, ``Packed`` out, and back. Shapes and memory formats live here."""
+
+from __future__ import annotations
+
+import torch
+
+from daf.codec.backends import REFERENCE, Backend
+from daf.format import FLOAT_DTYPES, Packed, flatten_memory_order, restore_memory_order
+
+__all__ = ["encode", "decode"]
+
+
+def encode(x: torch.Tensor, bits: int, group_size: int = 256, rounding: str = "stochastic", seed: int = 0,
+           backend: Backend = REFERENCE) -> Packed:
+    """Compress ``x`` to ``bits`` per element with per-group min/step.
+
+    x: float32|float16|bfloat16|float64 [*] (any strides) -> Packed; O(numel).
+
+    >>> p = encode(torch.linspace(-1, 1, 1000), bits=2, rounding="nearest")
+    >>> p.payload.numel(), p.numel
+    (272, 1000)
+    """
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"encode takes a floating-point tensor ({', '.join(map(str, FLOAT_DTYPES))}), got {x.dtype}")
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be one of (1, 2, 4, 8), got {bits}")
+    if rounding not in ("stochastic", "nearest"):
+        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+    flat, order = flatten_memory_order(x.detach())
+    payload, exc_index, exc_value = backend.encode_flat(flat, bits, group_size, rounding == "stochastic", seed)
+    return Packed(payload, tuple(x.shape), order, x.dtype, bits, group_size, exc_index, exc_value)
+
+
+def decode(packed: Packed, backend: Backend = REFERENCE) -> torch.Tensor:
+    """The tensor ``packed`` was made from, up to quantization error; same shape, dtype, device, strides order."""
+    flat = backend.decode_flat(packed.payload, packed.numel, packed.bits, packed.group_size, packed.dtype,
+                               packed.exc_index, packed.exc_value)
+    return restore_memory_order(flat, packed.shape, packed.order)

@@ -1,0 +1,42 @@
+"""The uniform bit policy: every compressible site gets ``Config.bits``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["Policy", "UniformPolicy"]
+
+
+class Policy:
+    """What the runtime asks of a bit policy. Subclasses override what they need."""
+
+    def bits_for(self, site: str, x: torch.Tensor) -> int:
+        """Bits for the tensor saved at ``site``; 0 keeps it raw."""
+        raise NotImplementedError
+
+    def importance(self, site: str, order: int) -> float:
+        """Larger is more important. Stand-in: the pack order, so the activations that
+        backward needs last (saved first) are the first candidates for demotion and spill."""
+        return float(order)
+
+    def on_forward_start(self, step: int) -> None:
+        """Called before each compressed forward, with the number of forwards so far."""
+
+    def watch(self, site: str, x: torch.Tensor, bits: int) -> None:
+        """Called for every compressed tensor; a policy may hook gradients here."""
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+class UniformPolicy(Policy):
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+
+    def bits_for(self, site: str, x: torch.Tensor) -> int:
+        return self.bits
+
+    def summary(self) -> dict[str, Any]:
+        return {"policy": "uniform", "bits": self.bits}

@@ -1,0 +1,155 @@
+"""The per-model state of DAF and the one straight data path: hook -> policy -> codec -> store -> back.
+
+A ``Session`` is owned by a wrapped model (or by a ``daf.compress`` block); nothing
+lives at module level. ``pack`` and ``unpack`` are the saved-tensor hooks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from daf.codec import Backend, decode, encode, select_backend
+from daf.config import Config
+from daf.format import FLOAT_DTYPES
+from daf.memory import HeapStore, Store
+from daf.policy import Policy, make_policy
+from daf.report import Report, SiteRow
+from daf.runtime.sites import SiteTracker
+
+__all__ = ["Session"]
+
+_MASK32 = 0xFFFFFFFF
+
+
+class _Saved:
+    """What autograd holds instead of a tensor: a reference into the store.
+
+    The same object is returned for every op that saves the same tensor, so the
+    record is released exactly once, when autograd drops the last of them.
+    """
+
+    __slots__ = ("store", "ref", "site", "__weakref__")
+
+    def __init__(self, store: Store, ref: int, site: str) -> None:
+        self.store, self.ref, self.site = store, ref, site
+
+    def __del__(self) -> None:
+        try:
+            self.store.release(self.ref)
+        except Exception:  # interpreter shutdown: nothing left to free
+            pass
+
+
+class Session:
+    """Config, backend, policy, store and statistics of one wrapped model."""
+
+    def __init__(self, config: Config, store: Store | None = None, policy: Policy | None = None,
+                 backend: Backend | None = None) -> None:
+        self.config = config
+        self.backend = backend if backend is not None else select_backend(config.backend)
+        self.policy = policy if policy is not None else make_policy(config)
+        self.store = store if store is not None else HeapStore()
+        self.sites = SiteTracker()
+        self.forwards = 0
+        self._packs = 0
+        self._rows: list[SiteRow] = []
+        self._last_rows: list[SiteRow] = []
+        self._shared: dict[tuple, tuple[weakref.ref, int, _Saved]] = {}
+        self._parameter_storages: set[int] = set()
+        self._parameters_referenced = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def begin_forward(self, model: torch.nn.Module | None = None) -> None:
+        """Start a new forward: fresh site counters, report rows and sharing table."""
+        self.sites.reset()
+        self._rows = []
+        self._shared.clear()
+        self._parameters_referenced = 0
+        self._parameter_storages = set()
+        if model is not None:
+            for tensor in [*model.parameters(), *model.buffers()]:
+                self._parameter_storages.add(tensor.untyped_storage().data_ptr())
+        self.policy.on_forward_start(self.forwards)
+
+    def end_forward(self) -> None:
+        self.forwards += 1
+        self._shared.clear()
+        self._last_rows = self._rows
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    # -- the data path ---------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Any:
+        site = self.sites.next_site()
+        if self._is_parameter(tensor):
+            self._parameters_referenced += 1
+            return tensor
+        if not self._compressible(tensor):
+            self._record(site, tensor, None, tensor.numel() * tensor.element_size(), "raw")
+            return tensor
+        key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
+               tensor.dtype, tensor.device)
+        hit = self._shared.get(key)
+        if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+            self._record(site, tensor, None, 0, "shared")
+            return hit[2]
+        bits = self.policy.bits_for(site, tensor)
+        if bits == 0:
+            self._record(site, tensor, None, tensor.numel() * tensor.element_size(), "raw")
+            return tensor
+        packed = encode(tensor, bits, self.config.group_size, self.config.rounding, self._next_seed(),
+                        self.backend)
+        ref = self.store.put(packed, self.policy.importance(site, self._packs), site)
+        saved = _Saved(self.store, ref, site)
+        self._shared[key] = (weakref.ref(tensor), tensor._version, saved)
+        self.policy.watch(site, tensor, bits)
+        self._record(site, tensor, bits, packed.nbytes, "compressed")
+        return saved
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        return decode(self.store.get(saved.ref), self.backend)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _is_parameter(self, tensor: torch.Tensor) -> bool:
+        if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+            return True
+        return tensor.untyped_storage().data_ptr() in self._parameter_storages
+
+    def _compressible(self, tensor: torch.Tensor) -> bool:
+        return (tensor.dtype in FLOAT_DTYPES and tensor.numel() >= max(self.config.min_numel, 1)
+                and tensor.layout == torch.strided and not tensor.is_meta)
+
+    def _next_seed(self) -> int:
+        self._packs += 1
+        return _splitmix64(self.config.seed ^ _splitmix64(self._packs)) & _MASK32
+
+    def _record(self, site: str, tensor: torch.Tensor, bits: int | None, stored: int, kind: str) -> None:
+        raw = 0 if kind == "shared" else tensor.numel() * tensor.element_size()
+        source = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "input"
+        self._rows.append(SiteRow(site, source, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                                  bits, raw, stored, kind))
+
+    def report(self) -> Report:
+        """Figures of the last finished forward."""
+        rows = self._last_rows
+        sections = {"policy": self.policy.summary(), "store": self.store.stats(),
+                    "codec": {"backend": self.backend.name, "group_size": self.config.group_size,
+                              "rounding": self.config.rounding}}
+        return Report(list(rows), self._parameters_referenced, sections)
+
+    def close(self) -> None:
+        self._shared.clear()
+        self.store.close()
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)

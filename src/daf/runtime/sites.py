@@ -1,0 +1,59 @@
+"""Names for the places where tensors are saved, stable from one step to the next.
+
+A site is ``"<module path>#<k>"``: the k-th tensor saved while that module was the
+innermost one running, counted from the start of the forward. The same model
+with the same control flow gives the same names every step, which is what the
+bit policy and the importance index key on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["SiteTracker"]
+
+ROOT = "<root>"
+
+
+class SiteTracker:
+    """Follows which module is running, through forward pre/post hooks on every submodule."""
+
+    def __init__(self) -> None:
+        self._stack: list[str] = []
+        self._counts: Counter[str] = Counter()
+
+    def reset(self) -> None:
+        """Start counting a new forward."""
+        self._counts.clear()
+        self._stack.clear()
+
+    def next_site(self) -> str:
+        path = self._stack[-1] if self._stack else ROOT
+        k = self._counts[path]
+        self._counts[path] += 1
+        return f"{path}#{k}"
+
+    def attach(self, model: nn.Module) -> list[RemovableHandle]:
+        """Hooks on every submodule that keep the path stack; the caller removes them."""
+        handles = []
+        for path, module in model.named_modules():
+            if not path:
+                continue
+            handles.append(module.register_forward_pre_hook(self._enter(path)))
+            handles.append(module.register_forward_hook(self._leave(path), always_call=True))
+        return handles
+
+    def _enter(self, path: str):
+        def hook(module, args):
+            self._stack.append(path)
+        return hook
+
+    def _leave(self, path: str):
+        def hook(module, args, output):
+            # An exception inside a child may have left its own entry unpopped; unwind to ours.
+            while self._stack and self._stack.pop() != path:
+                pass
+        return hook
