@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from daf.codec.backends import REFERENCE, Backend
+from daf.codec.backends import REFERENCE, Backend, select_backend
+from daf.config import Config
 from daf.format import FLOAT_DTYPES, Packed, flatten_memory_order, restore_memory_order
 
-__all__ = ["encode", "decode"]
+__all__ = ["encode", "decode", "Codec", "make_codec"]
 
 
 def encode(x: torch.Tensor, bits: int, group_size: int = 256, rounding: str = "stochastic", seed: int = 0,
@@ -36,3 +37,33 @@ def decode(packed: Packed, backend: Backend = REFERENCE) -> torch.Tensor:
     flat = backend.decode_flat(packed.payload, packed.numel, packed.bits, packed.group_size, packed.dtype,
                                packed.exc_index, packed.exc_value)
     return restore_memory_order(flat, packed.shape, packed.order)
+
+
+class Codec:
+    """The codec a session uses: format, group size, rounding and backend fixed by its Config."""
+
+    def __init__(self, config: Config, backend: Backend | None = None) -> None:
+        self.group_size = config.group_size
+        self.rounding = config.rounding
+        self.backend = backend if backend is not None else select_backend(config.backend)
+
+    @property
+    def name(self) -> str:
+        return f"minmax/{self.backend.name}"
+
+    def encode(self, x: torch.Tensor, bits: int, seed: int) -> Packed:
+        return encode(x, bits, self.group_size, self.rounding, seed, self.backend)
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        return decode(packed, self.backend)
+
+    def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
+        """``packed`` at fewer ``bits`` (demotion under a memory budget)."""
+        return self.encode(self.decode(packed), bits, seed)
+
+
+def make_codec(config: Config, backend: Backend | None = None) -> Codec:
+    """The codec ``config.codec`` names."""
+    if config.codec == "minmax":
+        return Codec(config, backend)
+    raise NotImplementedError(f"codec {config.codec!r} is not implemented yet; use codec='minmax'")

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from daf.codec import Backend, decode, encode, select_backend
+from daf.codec import Codec, make_codec
 from daf.config import Config
 from daf.format import FLOAT_DTYPES
-from daf.memory import HeapStore, Store
+from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
 from daf.report import Report, SiteRow
 from daf.runtime.sites import SiteTracker
@@ -44,14 +44,14 @@ class _Saved:
 
 
 class Session:
-    """Config, backend, policy, store and statistics of one wrapped model."""
+    """Config, codec, policy, store and statistics of one wrapped model."""
 
-    def __init__(self, config: Config, store: Store | None = None, policy: Policy | None = None,
-                 backend: Backend | None = None) -> None:
+    def __init__(self, config: Config, codec: Codec | None = None, policy: Policy | None = None,
+                 store: Store | None = None) -> None:
         self.config = config
-        self.backend = backend if backend is not None else select_backend(config.backend)
+        self.codec = codec if codec is not None else make_codec(config)
         self.policy = policy if policy is not None else make_policy(config)
-        self.store = store if store is not None else HeapStore()
+        self.store = store if store is not None else make_store(config, self.codec)
         self.sites = SiteTracker()
         self.forwards = 0
         self._packs = 0
@@ -101,8 +101,7 @@ class Session:
         if bits == 0:
             self._record(site, tensor, None, tensor.numel() * tensor.element_size(), "raw")
             return tensor
-        packed = encode(tensor, bits, self.config.group_size, self.config.rounding, self._next_seed(),
-                        self.backend)
+        packed = self.codec.encode(tensor, bits, self._next_seed())
         ref = self.store.put(packed, self.policy.importance(site, self._packs), site)
         saved = _Saved(self.store, ref, site)
         self._shared[key] = (weakref.ref(tensor), tensor._version, saved)
@@ -113,7 +112,7 @@ class Session:
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
-        return decode(self.store.get(saved.ref), self.backend)
+        return self.codec.decode(self.store.get(saved.ref))
 
     # -- helpers ---------------------------------------------------------------------------
     def _is_parameter(self, tensor: torch.Tensor) -> bool:
@@ -139,7 +138,7 @@ class Session:
         """Figures of the last finished forward."""
         rows = self._last_rows
         sections = {"policy": self.policy.summary(), "store": self.store.stats(),
-                    "codec": {"backend": self.backend.name, "group_size": self.config.group_size,
+                    "codec": {"codec": self.codec.name, "group_size": self.config.group_size,
                               "rounding": self.config.rounding}}
         return Report(list(rows), self._parameters_referenced, sections)
 
