@@ -13,14 +13,16 @@ from tests.models import SmallCNN, TransformerBlock
 
 
 class Saver(nn.Module):
-    """Saves its input through a multiplication so the test controls exactly what is stored."""
+    """Saves ``x + bias`` (bias 0) through a multiplication so the test controls exactly what is stored;
+    the addition gives it autograd history (tensors without history are kept raw)."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
+        self.bias = nn.Parameter(torch.zeros(size))
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x):
-        return x * self.weight
+        return (x + self.bias) * self.weight
 
 
 def saved_and_restored(x: torch.Tensor, **config) -> torch.Tensor:
@@ -73,7 +75,6 @@ def test_non_contiguous_views_and_channels_last():
 
 def test_restored_tensor_keeps_memory_format():
     restored = []
-    session_holder = {}
 
     class Probe(torch.autograd.Function):
         @staticmethod
@@ -87,11 +88,12 @@ def test_restored_tensor_keeps_memory_format():
             restored.append(x)
             return grad
 
-    x = torch.randn(2, 16, 8, 8).to(memory_format=torch.channels_last).requires_grad_(False)
-    x = x * 1.0  # not a leaf; still channels_last
-    with daf.compress(bits=8, min_numel=1) as session_holder["s"]:
-        y = Probe.apply(x.requires_grad_())
+    base = torch.randn(2, 16, 8, 8).to(memory_format=torch.channels_last).requires_grad_()
+    with daf.compress(bits=8, min_numel=1) as session:
+        x = base * 1.0  # has autograd history, still channels_last
+        y = Probe.apply(x)
     y.sum().backward()
+    assert [r.kind for r in daf.report(session).rows if r.source == "MulBackward0"] == ["compressed"]
     assert restored[0].is_contiguous(memory_format=torch.channels_last)
     assert restored[0].shape == x.shape and restored[0].dtype == x.dtype
 

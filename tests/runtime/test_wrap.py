@@ -28,8 +28,10 @@ def test_training_forward_compresses_and_report_has_sites():
     assert {"compressed", "shared"} <= kinds
     compressed = [r for r in report.rows if r.kind == "compressed"]
     assert all(r.bits == 2 and r.stored_bytes < r.raw_bytes / 10 for r in compressed)
-    assert any(r.site.startswith("stem#") for r in compressed)
-    assert "activations:" in str(report) and "stem#0" in str(report)
+    assert any(r.site.startswith("bn1#") for r in compressed)
+    assert "activations:" in str(report) and "bn1#0" in str(report)
+    # the input batch has no autograd history: kept raw
+    assert [r.kind for r in report.rows if r.site == "stem#0"] == ["raw"]
     assert report.totals()["raw_bytes"] == report.raw_bytes
 
 

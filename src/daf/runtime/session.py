@@ -121,7 +121,11 @@ class Session:
         return tensor.untyped_storage().data_ptr() in self._parameter_storages
 
     def _compressible(self, tensor: torch.Tensor) -> bool:
-        return (tensor.dtype in FLOAT_DTYPES and tensor.numel() >= max(self.config.min_numel, 1)
+        # Tensors without autograd history (input data, statistics such as attention's logsumexp,
+        # values computed under no_grad) stay raw: backward may feed them to exp(), which turns a
+        # quantization step into a multiplicative error, and input batches are held by the caller anyway.
+        return (tensor.grad_fn is not None and tensor.dtype in FLOAT_DTYPES
+                and tensor.numel() >= max(self.config.min_numel, 1)
                 and tensor.layout == torch.strided and not tensor.is_meta)
 
     def _next_seed(self) -> int:
@@ -130,7 +134,7 @@ class Session:
 
     def _record(self, site: str, tensor: torch.Tensor, bits: int | None, stored: int, kind: str) -> None:
         raw = 0 if kind == "shared" else tensor.numel() * tensor.element_size()
-        source = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "input"
+        source = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "no history"
         self._rows.append(SiteRow(site, source, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
                                   bits, raw, stored, kind))
 
