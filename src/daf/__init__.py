@@ -9,8 +9,9 @@ True
 
 from daf.api import compress, report, session_of, unwrap, wrap
 from daf.config import Config
+from daf.memory.errors import OutOfBudget
 from daf.report import Report
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "unwrap", "compress", "report", "session_of", "Config", "Report"]
+__all__ = ["wrap", "unwrap", "compress", "report", "session_of", "Config", "Report", "OutOfBudget"]

@@ -1,0 +1,425 @@
+"""The paged store: payloads in DAF's page pool, ordered by importance, held within a budget.
+
+Without a budget it is a page pool and nothing more. With ``Config.budget``, a ``put``
+that would pass the budget first *demotes* the least important records (re-encodes
+them at half their bits, down to ``Config.min_bits``), then *spills* the least
+important to disk, and raises ``OutOfBudget`` only when the record cannot fit even
+with everything else spilled. Once backward starts (the first ``get`` after a
+``put``), a worker thread reads spilled records back into the pool in the order
+backward needs them (reverse pack order) as released records make room.
+
+The budget counts pages in use (whole pages) plus the exception side tables, which
+stay in ordinary memory beside their records. Decoding and demotion need transient
+memory for one decoded activation outside the budget, like any ``get``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from daf.config import Config
+from daf.format import Packed, payload_bytes
+from daf.memory.errors import OutOfBudget
+from daf.memory.index import ImportanceIndex, by_importance, by_need
+from daf.memory.pool import PagePool
+from daf.memory.spill import SpillHandle, SpillStore
+
+__all__ = ["PagedStore"]
+
+
+@dataclasses.dataclass(eq=False)
+class _Record:
+    """One stored activation: resident (``pages``), spilled (``spilled``) or loading back (both, ``loading``)."""
+
+    ref: int
+    seq: int
+    site: str
+    importance: float
+    header: Packed  # the record's Packed with an empty payload: shape, bits, exception side table
+    nbytes: int
+    pages: list[int] | None = None
+    spilled: SpillHandle | None = None
+    loading: Future | None = None
+    prefetched: bool = False
+    released: bool = False
+    error: BaseException | None = None
+
+    @property
+    def side_bytes(self) -> int:
+        return self.header.nbytes  # the empty payload adds nothing
+
+    @property
+    def device(self) -> torch.device:
+        return self.header.payload.device
+
+
+def _payload_bytes(packed: Packed) -> torch.Tensor:
+    """The payload as uint8 [n], contiguous."""
+    payload = packed.payload.reshape(-1)
+    return payload if payload.dtype == torch.uint8 else payload.contiguous().view(torch.uint8)
+
+
+def _goes_first(record: _Record, other: _Record | None) -> bool:
+    """Whether ``record`` is less important than ``other`` (always, when there is no other)."""
+    return other is None or by_importance(record) < by_importance(other)
+
+
+def _header(packed: Packed) -> Packed:
+    return dataclasses.replace(packed, payload=packed.payload.new_empty(0, dtype=torch.uint8))
+
+
+class PagedStore:
+    """Activation records in a page pool per device, with an optional budget. Thread-safe.
+
+    ``put``, ``get`` and ``release`` cost O(log n) index work plus the bytes they copy; a
+    ``put`` under pressure also pays for the demotions (one decode and encode each) and
+    spills (one file write each) it triggers. A payload handed out by ``get`` may be a
+    view into the pool: it stays valid until the next ``put`` or ``release``.
+    """
+
+    def __init__(self, config: Config, codec: Any = None) -> None:
+        self.page_size = config.page_size
+        self.budget = config.budget
+        self.min_bits = config.min_bits
+        self._codec = codec
+        self._seed = config.seed
+        self._pools: dict[torch.device, PagePool] = {}
+        self._records: dict[int, _Record] = {}
+        self._resident = ImportanceIndex(by_importance)   # in the pool, may be spilled
+        self._demotable = ImportanceIndex(by_importance)  # in the pool with bits > min_bits
+        self._spilled = ImportanceIndex(by_need)           # on disk, next needed first
+        self._spill = SpillStore(config.spill_dir) if self.budget is not None else None
+        self._worker = ThreadPoolExecutor(1, "daf-prefetch") if self.budget is not None else None
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._pending_releases: deque[int] = deque()
+        self._next_ref = 0
+        self._side = 0  # exception side tables of every record (they stay in memory)
+        self._loading = 0  # page bytes held by reads in flight
+        self._payload = 0  # payload bytes of every record, wherever it is
+        self._high_water = 0
+        self._in_backward = False
+        self.counters = dict.fromkeys(("demotions", "demoted_bytes_saved", "spills", "spilled_bytes",
+                                       "prefetches", "prefetch_hits", "prefetch_misses"), 0)
+        self.spill_wait_seconds = 0.0
+
+    # -- locking ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the store's lock; releases asked for meanwhile (GC, other threads) run before it is let go."""
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            while self._pending_releases:
+                self._release_now(self._pending_releases.popleft())
+            self._owner = None
+            self._lock.release()
+
+    # -- the Store interface ---------------------------------------------------------------
+    def put(self, packed: Packed, importance: float, site: str) -> int:
+        """Keep ``packed``; return its reference. May demote, spill or raise ``OutOfBudget`` under a budget."""
+        with self._locked():
+            self._in_backward = False
+            record = _Record(self._next_ref, self._next_ref, site, float(importance), _header(packed),
+                             packed.payload.nbytes)
+            payload = _payload_bytes(packed)
+            if self.budget is not None:
+                payload = self._make_room(record, packed, payload)
+            if payload is not None:
+                self._place(record, payload)
+            self._next_ref += 1
+            self._records[record.ref] = record
+            self._side += record.side_bytes
+            self._payload += record.nbytes
+            self._high_water = max(self._high_water, self._used)
+            return record.ref
+
+    def get(self, ref: int) -> Packed:
+        """The record under ``ref`` (at its current bits: demotion may have lowered them)."""
+        with self._locked():
+            record = self._record(ref)
+            self._in_backward = True
+            self._schedule_prefetch()
+            if record.loading is None and record.error is None:
+                return self._resident_or_read(record)
+            loading = record.loading
+        started = time.perf_counter()
+        if loading is not None:
+            loading.exception()  # wait; the error, if any, is on the record
+        with self._locked():
+            self.spill_wait_seconds += time.perf_counter() - started
+            if record.error is not None:
+                raise record.error
+            self.counters["prefetch_misses"] += 1
+            return self._resident_or_read(record)
+
+    def release(self, ref: int) -> None:
+        """Forget ``ref``: its pages are free at once and its spill file is deleted. Unknown refs are ignored."""
+        self._pending_releases.append(ref)
+        if self._owner == threading.get_ident():
+            return  # called back from inside the store (garbage collection): runs when the lock is let go
+        with self._locked():
+            pass
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def _used(self) -> int:
+        """What the budget counts: pages in use (reads in flight included) plus the side tables."""
+        return sum(pool.in_use_bytes for pool in self._pools.values()) + self._side
+
+    # -- placing and reading records -------------------------------------------------------
+    def _pool(self, device: torch.device) -> PagePool:
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = PagePool(self.page_size, device, self.budget)
+        return pool
+
+    def _place(self, record: _Record, payload: torch.Tensor) -> None:
+        pool = self._pool(payload.device)
+        record.pages = pool.allocate(pool.pages_for(payload.numel()))
+        pool.write(record.pages, payload)
+        self._index_resident(record)
+
+    def _index_resident(self, record: _Record) -> None:
+        self._resident.add(record)
+        if record.header.bits > self.min_bits and self._codec is not None:
+            self._demotable.add(record)
+
+    def _unplace(self, record: _Record) -> None:
+        """Free the record's pages (it stays known to the store)."""
+        self._resident.discard(record)
+        self._demotable.discard(record)
+        self._pools[record.device].free(record.pages)
+        record.pages = None
+
+    def _resident_or_read(self, record: _Record) -> Packed:
+        if record.pages is not None:
+            if record.prefetched:
+                self.counters["prefetch_hits"] += 1
+                record.prefetched = False
+            payload = self._gather(record)
+        else:  # spilled and not prefetched: read it here, into memory outside the pool
+            started = time.perf_counter()
+            payload = self._spill.read(record.spilled, record.site, record.device)
+            self.spill_wait_seconds += time.perf_counter() - started
+            self.counters["prefetch_misses"] += 1
+        return dataclasses.replace(record.header, payload=payload)
+
+    def _gather(self, record: _Record) -> torch.Tensor:
+        return self._pools[record.device].read(record.pages, record.nbytes)
+
+    def _record(self, ref: int) -> _Record:
+        try:
+            return self._records[ref]
+        except KeyError:
+            raise KeyError(f"activation record {ref} is not stored (already released?)") from None
+
+    # -- the budget: demote, spill, refuse -------------------------------------------------
+    def _cost(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_size) * self.page_size
+
+    def _make_room(self, record: _Record, packed: Packed, payload: torch.Tensor) -> torch.Tensor | None:
+        """Make the budget hold ``record``; its payload (re-encoded if it was demoted), or None if it was spilled.
+
+        Demotes, then spills, least important first; the incoming record takes its turn by its importance.
+        """
+        self._refuse_if_never_fits(record, packed)
+        while self._used + record.side_bytes + (0 if payload is None else self._cost(payload.numel())) > self.budget:
+            victim = self._demotable.least()
+            if payload is not None and self._can_demote(record) and _goes_first(record, victim):
+                packed = self._reencode(packed)
+                record.header, record.nbytes = _header(packed), packed.payload.nbytes
+                payload = _payload_bytes(packed)
+                continue
+            if victim is not None:
+                self._demote(victim)
+                continue
+            victim = self._resident.least()
+            if payload is not None and _goes_first(record, victim):
+                self._spill_payload(record, [payload])
+                payload = None
+            elif victim is not None:
+                self._spill_out(victim)
+            else:
+                raise OutOfBudget(record.site, record.side_bytes, self.budget, self._used,
+                                  "everything else is on disk or being read back")
+        return payload
+
+    def _refuse_if_never_fits(self, record: _Record, packed: Packed) -> None:
+        """``OutOfBudget`` if the record cannot fit even at min_bits with every other payload on disk. O(1)."""
+        bits = min(packed.bits, self.min_bits) if self._can_demote(record) else packed.bits
+        smallest = self._cost(payload_bytes(packed.numel, bits, packed.group_size))
+        if self._side + self._loading + record.side_bytes + smallest > self.budget:
+            raise OutOfBudget(record.site, smallest + record.side_bytes, self.budget, self._used,
+                              f"{self._side} B of exception side tables and {self._loading} B being read back "
+                              f"stay in memory; the activation takes {smallest} B at {bits} bits")
+
+    def _can_demote(self, record: _Record) -> bool:
+        return self._codec is not None and record.header.bits > self.min_bits
+
+    def _reencode(self, packed: Packed) -> Packed:
+        bits = max(self.min_bits, packed.bits // 2)
+        self.counters["demotions"] += 1
+        seed = zlib.crc32(struct.pack("<QQ", self._seed, self.counters["demotions"]))
+        demoted = self._codec.reencode(packed, bits, seed)
+        self.counters["demoted_bytes_saved"] += packed.nbytes - demoted.nbytes
+        return demoted
+
+    def _demote(self, record: _Record) -> None:
+        demoted = self._reencode(dataclasses.replace(record.header, payload=self._gather(record)))
+        self._unplace(record)
+        self._side -= record.side_bytes
+        self._payload -= record.nbytes
+        record.header, record.nbytes = _header(demoted), demoted.payload.nbytes
+        self._side += record.side_bytes
+        self._payload += record.nbytes
+        self._place(record, _payload_bytes(demoted))
+
+    def _spill_out(self, record: _Record) -> None:
+        pool = self._pools[record.device]
+        self._spill_payload(record, pool.views(record.pages, record.nbytes))
+        self._unplace(record)
+
+    def _spill_payload(self, record: _Record, segments: list[torch.Tensor]) -> None:
+        record.spilled = self._spill.write(record.ref, segments, record.site)
+        self._spilled.add(record)
+        self.counters["spills"] += 1
+        self.counters["spilled_bytes"] += record.nbytes
+
+    # -- prefetch --------------------------------------------------------------------------
+    def _schedule_prefetch(self) -> None:
+        """Start reading spilled records back, next needed first, while they fit in the budget."""
+        while len(self._spilled):
+            record = self._spilled.least()
+            cost = self._cost(record.nbytes)
+            if self._used + cost > self.budget:
+                return
+            self._spilled.remove(record)
+            pool = self._pool(record.device)
+            record.pages = pool.allocate(pool.pages_for(record.nbytes))
+            self._loading += cost
+            views = pool.views(record.pages, record.nbytes)
+            record.loading = self._worker.submit(self._load, record, views)
+            self.counters["prefetches"] += 1
+
+    def _load(self, record: _Record, views: list[torch.Tensor]) -> None:
+        """Worker thread: read one spilled record into the pages reserved for it."""
+        error = None
+        try:
+            self._spill.read_into(record.spilled, views, record.site)
+        except BaseException as caught:  # handed to whoever asks for the record
+            error = caught
+        with self._locked():
+            record.loading = None
+            self._loading -= len(record.pages) * self.page_size
+            if record.released or error is not None:
+                record.error = error
+                self._pools[record.device].free(record.pages)
+                record.pages = None
+                if record.released:
+                    self._spill.remove(record.spilled)
+                return
+            self._spill.remove(record.spilled)
+            record.spilled = None
+            record.prefetched = True
+            self._index_resident(record)
+
+    # -- release, figures, close -----------------------------------------------------------
+    def _release_now(self, ref: int) -> None:
+        record = self._records.pop(ref, None)
+        if record is None:
+            return
+        record.released = True
+        self._side -= record.side_bytes
+        self._payload -= record.nbytes
+        if record.loading is not None:
+            return  # the worker frees its pages and file when the read finishes
+        if record.pages is not None:
+            self._unplace(record)
+        if record.spilled is not None:
+            self._spilled.discard(record)
+            self._spill.remove(record.spilled)
+        if self._in_backward and self.budget is not None:
+            self._schedule_prefetch()
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for ``daf.report``'s "store" section (bytes unless named otherwise)."""
+        with self._locked():
+            reserved = sum(p.reserved_bytes for p in self._pools.values())
+            pages_in_use = sum(p.in_use_bytes for p in self._pools.values())
+            resident_payload = sum(r.nbytes for r in self._records.values() if r.pages is not None)
+            figures: dict[str, Any] = {
+                "store": "paged", "records": len(self._records), "bytes_in_use": self._used,
+                "high_water_bytes": self._high_water, "payload_bytes": self._payload, "page_size": self.page_size,
+                "pool_reserved_bytes": reserved, "pool_in_use_bytes": pages_in_use,
+                "pool_high_water_bytes": sum(p.high_water_pages * p.page_size for p in self._pools.values()),
+                "pool_chunks": sum(p.chunks for p in self._pools.values()),
+                "pool_growths": sum(p.growths for p in self._pools.values()),
+                "internal_fragmentation": 1 - resident_payload / pages_in_use if pages_in_use else 0.0,
+            }
+            if self.budget is not None:
+                figures.update(budget=self.budget, min_bits=self.min_bits, **self.counters,
+                               spilled_now=len(self._spilled), spill_wait_seconds=self.spill_wait_seconds)
+            return figures
+
+    def close(self) -> None:
+        """Wait for reads in flight, free every page and remove the spill directory."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        with self._locked():
+            self._records.clear()
+            self._resident, self._demotable = ImportanceIndex(by_importance), ImportanceIndex(by_importance)
+            self._spilled = ImportanceIndex(by_need)
+            self._pools.clear()
+            self._side = self._payload = self._loading = 0
+        if self._spill is not None:
+            self._spill.close()
+
+    def _check(self) -> None:
+        """Assert every invariant of the store, its pools and indexes. O(records + pages)."""
+        with self._locked():
+            for index in (self._resident, self._demotable, self._spilled):
+                index._check()
+            used, payload, side, loading = 0, 0, 0, 0
+            for ref, record in self._records.items():
+                assert record.ref == ref and not record.released
+                state = (record.pages is not None, record.spilled is not None, record.loading is not None)
+                assert state in ((True, False, False), (False, True, False), (True, True, True)) or \
+                    record.error is not None, (ref, state)
+                resident = state == (True, False, False)
+                assert (record in self._resident) == resident
+                assert (record in self._demotable) == (resident and self._can_demote(record))
+                assert (record in self._spilled) == (state == (False, True, False) and record.error is None)
+                if record.pages is not None:
+                    assert len(record.pages) == -(-record.nbytes // self.page_size)
+                    used += len(record.pages) * self.page_size
+                if record.loading is not None:
+                    loading += len(record.pages) * self.page_size
+                side += record.side_bytes
+                payload += record.nbytes
+            assert len(self._resident) + len(self._spilled) <= len(self._records)
+            loading_elsewhere = sum(p.in_use_bytes for p in self._pools.values()) - sum(
+                len(r.pages) * self.page_size for r in self._records.values() if r.pages is not None)
+            assert loading_elsewhere >= 0  # released records still being read hold pages until the read ends
+            assert used + side + loading_elsewhere == self._used, (used, side, loading_elsewhere, self._used)
+            assert loading + loading_elsewhere == self._loading, (loading, loading_elsewhere, self._loading)
+            assert payload == self._payload and side == self._side
+            if self.budget is not None:
+                assert self._used <= self.budget, (self._used, self.budget)
+            for pool in self._pools.values():
+                pool._check()

@@ -1,0 +1,128 @@
+"""The page pool: invariants under random traffic, contents, growth from demand, limit."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from daf.memory.pool import PagePool, PoolExhausted
+
+PAGE = 4096
+
+
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_random_traffic_keeps_invariants_and_contents():
+    rng = random.Random(0)
+    pool = PagePool(PAGE, "cpu", min_growth_bytes=PAGE)
+    live: dict[int, tuple[list[int], torch.Tensor]] = {}
+    for op in range(600):
+        if live and (rng.random() < 0.45 or len(live) > 40):
+            key = rng.choice(list(live))
+            pages, data = live.pop(key)
+            assert torch.equal(pool.read(pages, data.numel()), data)
+            pool.free(pages)
+        else:
+            data = _bytes(rng.choice([1, 100, PAGE, PAGE + 1, 3 * PAGE, rng.randrange(1, 20 * PAGE)]), op)
+            pages = pool.allocate(pool.pages_for(data.numel()))
+            pool.write(pages, data)
+            live[op] = (pages, data)
+        pool._check()
+    for pages, data in live.values():
+        assert torch.equal(pool.read(pages, data.numel()), data)
+
+
+def test_freed_pages_are_reused_at_once_and_records_need_no_contiguous_space():
+    pool = PagePool(PAGE, "cpu", min_growth_bytes=8 * PAGE)
+    held = [pool.allocate(1) for _ in range(8)]
+    for pages in held[::2]:
+        pool.free(pages)  # four single free pages with gaps between them
+    pool._check()
+    pages = pool.allocate(4)
+    assert sorted(pages) == [p for (p,) in held[::2]]  # no growth: the scattered pages serve the record
+    assert pool.reserved_pages == 8 and pool.growths == 1
+    data = _bytes(4 * PAGE - 7, 1)
+    pool.write(pages, data)
+    assert torch.equal(pool.read(pages, data.numel()), data)
+    pool._check()
+
+
+def test_contiguous_record_is_read_as_a_view():
+    pool = PagePool(PAGE, "cpu")
+    pages = pool.allocate(3)
+    pool.write(pages, _bytes(3 * PAGE, 2))
+    view = pool.read(pages, 3 * PAGE)
+    assert view.untyped_storage().data_ptr() == pool.views(pages, 3 * PAGE)[0].untyped_storage().data_ptr()
+
+
+def test_growth_follows_the_previous_steps_demand_and_compacts_to_one_chunk():
+    pool = PagePool(PAGE, "cpu", min_growth_bytes=PAGE)
+    step = [pool.allocate(5) for _ in range(20)]  # first step: 100 pages, several growths
+    assert pool.chunks > 1
+    for pages in step:
+        pool.free(pages)
+    assert pool.chunks == 1 and pool.last_step_high_water == 100 and pool.compactions == 1
+    reserved = pool.reserved_pages
+    assert 100 <= reserved <= 100 * 1.05
+    step = [pool.allocate(5) for _ in range(20)]  # the same demand needs no growth
+    assert pool.reserved_pages == reserved
+    step.append(pool.allocate(reserved))  # a bigger step grows by at least what is missing
+    assert pool.reserved_pages >= 100 + reserved
+    pool._check()
+
+
+def test_limit_is_never_passed():
+    pool = PagePool(PAGE, "cpu", limit_bytes=10 * PAGE + 123)
+    pool.allocate(7)
+    with pytest.raises(PoolExhausted, match="limit is 10 pages"):
+        pool.allocate(4)
+    pool.allocate(3)
+    assert pool.reserved_pages == 10
+    pool._check()
+
+
+def test_page_size_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        PagePool(3000, "cpu")
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Hypothesis drives allocate/write/free in any order; every record keeps its bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = PagePool(PAGE, "cpu", limit_bytes=64 * PAGE, min_growth_bytes=PAGE)
+        self.live: list[tuple[list[int], torch.Tensor]] = []
+
+    @rule(nbytes=st.integers(1, 9 * PAGE), seed=st.integers(0, 2**16))
+    def store(self, nbytes, seed):
+        count = self.pool.pages_for(nbytes)
+        if self.pool.in_use_pages + count > 64:
+            with pytest.raises(PoolExhausted):
+                self.pool.allocate(count)
+            return
+        pages = self.pool.allocate(count)
+        data = _bytes(nbytes, seed)
+        self.pool.write(pages, data)
+        self.live.append((pages, data))
+
+    @precondition(lambda self: self.live)
+    @rule(which=st.integers(0, 1000))
+    def drop(self, which):
+        pages, data = self.live.pop(which % len(self.live))
+        assert torch.equal(self.pool.read(pages, data.numel()), data)
+        self.pool.free(pages)
+
+    @invariant()
+    def consistent(self):
+        self.pool._check()
+        assert sum(len(p) for p, _ in self.live) == self.pool.in_use_pages
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
