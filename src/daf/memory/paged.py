@@ -163,7 +163,8 @@ class PagedStore:
             self.spill_wait_seconds += time.perf_counter() - started
             if record.error is not None:
                 raise record.error
-            self.counters["prefetch_misses"] += 1
+            self.counters["prefetch_misses"] += 1  # asked for before its read ended
+            record.prefetched = False
             return self._resident_or_read(record)
 
     def release(self, ref: int) -> None:

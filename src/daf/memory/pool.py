@@ -32,9 +32,6 @@ from sortedcontainers import SortedList
 
 __all__ = ["PagePool", "PoolExhausted"]
 
-MIN_GROWTH_BYTES = 256 << 10
-
-
 class PoolExhausted(MemoryError):
     """The pool would have to grow past its limit."""
 
@@ -49,7 +46,7 @@ class PagePool:
     """
 
     def __init__(self, page_size: int, device: torch.device | str, limit_bytes: int | None = None,
-                 growth_fraction: float = 1 / 32, min_growth_bytes: int = MIN_GROWTH_BYTES) -> None:
+                 growth_fraction: float = 1 / 32, min_growth_bytes: int = 0) -> None:
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {page_size}")
         if not 0 < growth_fraction <= 1:

@@ -1,0 +1,244 @@
+"""The paged store: exact round trips, the budget's order (demote, spill, refuse), prefetch, invariants."""
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import daf
+from daf.codec import Codec
+from daf.config import Config
+from daf.format import payload_bytes
+from daf.memory import OutOfBudget, PagedStore, SpillError, make_store
+
+PAGE = 4096
+
+
+def _packed(numel: int, bits: int, seed: int = 0, codec: Codec | None = None):
+    codec = codec or Codec(Config(backend="reference"))
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    return codec.encode(x, bits, seed)
+
+
+def _same(a, b) -> bool:
+    return (torch.equal(a.payload, b.payload) and a.shape == b.shape and a.bits == b.bits
+            and a.dtype == b.dtype and a.order == b.order and a.group_size == b.group_size)
+
+
+def _cost(packed) -> int:
+    return -(-packed.payload.nbytes // PAGE) * PAGE
+
+
+def _wait_for_reads(store: PagedStore) -> None:
+    store._worker.submit(lambda: None).result()  # the single worker runs reads in order
+    with store._locked():
+        pass
+
+
+def test_make_store_picks_the_paged_store_under_a_budget():
+    assert isinstance(make_store(Config(budget="1MiB"), Codec(Config())), PagedStore)
+
+
+def test_round_trip_without_budget_keeps_everything_exact_including_exceptions():
+    store = PagedStore(Config(page_size=PAGE))
+    x = torch.randn(5000)
+    x[[3, 4000]] = torch.tensor([float("nan"), float("inf")])
+    originals = [Codec(Config()).encode(x, 2, 1)] + [_packed(n, b, n) for n, b in ((4096, 1), (30000, 8), (999, 4))]
+    assert originals[0].exc_index is not None
+    refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
+    store._check()
+    for ref, original in zip(refs, originals):
+        back = store.get(ref)
+        assert _same(back, original)
+        assert torch.equal(back.exc_index if back.exc_index is not None else torch.empty(0),
+                           original.exc_index if original.exc_index is not None else torch.empty(0))
+    for ref in refs:
+        store.release(ref)
+        store._check()
+    assert store.stats()["records"] == 0 and store.stats()["pool_in_use_bytes"] == 0
+
+
+def test_spill_round_trip_through_the_store_is_bit_exact():
+    originals = [_packed(8192 + 512 * i, 2, i) for i in range(12)]
+    budget = 3 * _cost(originals[0])
+    store = PagedStore(Config(page_size=PAGE, budget=budget, min_bits=2), Codec(Config()))
+    refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
+    store._check()
+    stats = store.stats()
+    assert stats["spills"] >= 9 and stats["demotions"] == 0 and stats["high_water_bytes"] <= budget
+    for ref, original in reversed(list(zip(refs, originals))):  # backward order
+        assert _same(store.get(ref), original)
+        store.release(ref)
+        store._check()
+    stats = store.stats()
+    assert stats["prefetch_hits"] + stats["prefetch_misses"] == stats["spills"]
+    assert stats["prefetches"] > 0 and stats["records"] == 0
+    assert not Path(store._spill.directory).exists() or not any(Path(store._spill.directory).iterdir())
+    store.close()
+
+
+def test_demotion_goes_first_least_important_first_down_to_min_bits():
+    codec = Codec(Config())
+    originals = [_packed(16384, 8, i) for i in range(4)]
+    eight, four = _cost(originals[0]), _cost(_packed(16384, 4))
+    store = PagedStore(Config(page_size=PAGE, budget=3 * eight + four, min_bits=2), codec)
+    refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
+    store._check()
+    bits = [store.get(r).bits for r in refs]
+    assert bits == [4, 8, 8, 8]  # one halving of the least important record makes room
+    assert store.stats()["spills"] == 0 and store.stats()["demotions"] == 1
+    x = codec.decode(originals[0])
+    demoted = codec.decode(store.get(refs[0]))
+    step = (x.max() - x.min()) / 15
+    assert (demoted - x).abs().max() <= 1.01 * step  # a 4-bit code of the same values
+    more = [store.put(_packed(16384, 8, 10 + i), 10.0 + i, f"t#{i}") for i in range(3)]
+    store._check()
+    assert [store.get(r).bits for r in refs] == [2, 2, 2, 2] or store.stats()["spills"] > 0
+    assert all(store.get(r).bits >= 2 for r in refs + more)
+
+
+def test_an_activation_that_can_never_fit_raises_out_of_budget_and_changes_nothing():
+    store = PagedStore(Config(page_size=PAGE, budget=4 * PAGE, min_bits=1), Codec(Config()))
+    kept = _packed(4096, 8, 0)
+    ref = store.put(kept, 0.0, "small#0")
+    with pytest.raises(daf.OutOfBudget) as caught:
+        store.put(_packed(200_000, 2, 1), 1.0, "huge#0")
+    message = str(caught.value)
+    asked = -(-payload_bytes(200_000, 1, 256) // PAGE) * PAGE
+    assert f"({asked} B)" in message and f"({4 * PAGE} B)" in message and "huge#0" in message
+    assert caught.value.asked == asked and caught.value.budget == 4 * PAGE and caught.value.in_use == _cost(kept)
+    assert isinstance(caught.value, MemoryError) and daf.OutOfBudget is OutOfBudget
+    assert store.stats()["demotions"] == 0 and _same(store.get(ref), kept)
+    store._check()
+
+
+def test_an_incoming_record_less_important_than_the_rest_is_the_one_spilled():
+    originals = [_packed(8192, 2, i) for i in range(3)]
+    store = PagedStore(Config(page_size=PAGE, budget=2 * _cost(originals[0]), min_bits=2), Codec(Config()))
+    refs = [store.put(originals[0], 5.0, "a#0"), store.put(originals[1], 6.0, "b#0"),
+            store.put(originals[2], 1.0, "c#0")]  # least important arrives last
+    records = store._records
+    assert records[refs[2]].spilled is not None and records[refs[0]].pages is not None
+    assert _same(store.get(refs[2]), originals[2])
+    store._check()
+
+
+def test_corrupted_spill_file_is_detected_on_the_way_back(tmp_path):
+    originals = [_packed(8192, 2, i) for i in range(4)]
+    store = PagedStore(Config(page_size=PAGE, budget=_cost(originals[0]), min_bits=2, spill_dir=str(tmp_path)),
+                       Codec(Config()))
+    refs = [store.put(p, float(i), f"block{i}#0") for i, p in enumerate(originals)]
+    for record in store._records.values():
+        if record.spilled is not None:
+            path = Path(record.spilled.path)
+            path.write_bytes(b"\xff" + path.read_bytes()[1:])
+    assert _same(store.get(refs[3]), originals[3])  # resident
+    store.release(refs[3])  # room: the worker prefetches block2 and finds it corrupted
+    with pytest.raises(SpillError, match=r"block2#0.*corrupted"):
+        store.get(refs[2])
+    with pytest.raises(SpillError, match=r"block1#0.*corrupted"):
+        store.get(refs[1])
+    for ref in refs[:3]:
+        store.release(ref)
+    _wait_for_reads(store)
+    store._check()
+    assert not any(Path(store._spill.directory).iterdir())
+
+
+def test_release_while_a_read_is_in_flight_frees_everything_when_it_ends():
+    originals = [_packed(65536, 2, i) for i in range(6)]
+    store = PagedStore(Config(page_size=PAGE, budget=2 * _cost(originals[0]), min_bits=2), Codec(Config()))
+    refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
+    store.get(refs[5])
+    for ref in refs:
+        store.release(ref)
+    _wait_for_reads(store)
+    store._check()
+    stats = store.stats()
+    assert stats["records"] == 0 and stats["bytes_in_use"] == 0 and stats["pool_in_use_bytes"] == 0
+
+
+def test_stats_carry_the_pool_and_budget_figures():
+    store = PagedStore(Config(page_size=PAGE, budget="1MiB"), Codec(Config()))
+    ref = store.put(_packed(5000, 2), 0.0, "a#0")
+    stats = store.stats()
+    for key in ("pool_reserved_bytes", "pool_in_use_bytes", "internal_fragmentation", "demotions", "spills",
+                "prefetch_hits", "prefetch_misses", "spill_wait_seconds", "budget"):
+        assert key in stats
+    assert stats["pool_in_use_bytes"] == PAGE and 0 < stats["internal_fragmentation"] < 1
+    store.release(ref)
+
+
+def test_small_stress_reserved_stays_within_five_percent_of_the_high_water_mark():
+    """The small version of benchmarks/pool_stress.py: random shapes and bits, step after step."""
+    rng = random.Random(0)
+    store = PagedStore(Config(page_size=PAGE))
+    payload_high_water = live = 0
+    for step in range(40):
+        refs = []
+        for i in range(rng.randrange(6, 18)):
+            numel = int(2 ** rng.uniform(13, 18))  # 8K .. 256K elements
+            bits = rng.choice((1, 2, 4, 8))
+            payload = torch.empty(payload_bytes(numel, bits, 256), dtype=torch.uint8)
+            payload[::997] = step % 256
+            packed = daf.format.Packed(payload, (numel,), (0,), torch.float32, bits, 256)
+            refs.append((store.put(packed, float(i), "stress"), packed))
+            live += payload.numel()
+            payload_high_water = max(payload_high_water, live)
+        if step % 10 == 0:
+            store._check()
+        for ref, packed in reversed(refs):
+            if ref % 7 == 0:
+                assert torch.equal(store.get(ref).payload, packed.payload)
+            store.release(ref)
+            live -= packed.payload.numel()
+    store._check()
+    stats = store.stats()
+    assert stats["pool_reserved_bytes"] <= 1.05 * stats["pool_high_water_bytes"]
+    assert stats["pool_reserved_bytes"] <= 1.05 * payload_high_water
+    assert stats["pool_chunks"] == 1
+
+
+class BudgetMachine(RuleBasedStateMachine):
+    """Hypothesis drives put/get/release under a tight budget (spill only): every get is bit-exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = PagedStore(Config(page_size=PAGE, budget=6 * PAGE, min_bits=2), Codec(Config()))
+        self.live: dict[int, object] = {}
+        self.seq = 0
+
+    @rule(numel=st.sampled_from([256, 4096, 9000, 20000]), importance=st.floats(-10, 10))
+    def put(self, numel, importance):
+        self.seq += 1
+        packed = _packed(numel, 2, self.seq)
+        self.live[self.store.put(packed, importance, f"s#{self.seq}")] = packed
+
+    @precondition(lambda self: self.live)
+    @rule(which=st.integers(0, 100))
+    def get(self, which):
+        ref = sorted(self.live)[which % len(self.live)]
+        assert _same(self.store.get(ref), self.live[ref])
+
+    @precondition(lambda self: self.live)
+    @rule(which=st.integers(0, 100))
+    def release(self, which):
+        ref = sorted(self.live)[which % len(self.live)]
+        del self.live[ref]
+        self.store.release(ref)
+
+    @invariant()
+    def consistent(self):
+        self.store._check()
+
+    def teardown(self):
+        self.store.close()
+
+
+TestBudgetMachine = BudgetMachine.TestCase
+TestBudgetMachine.settings = settings(max_examples=20, stateful_step_count=25, deadline=None)
