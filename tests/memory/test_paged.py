@@ -179,9 +179,9 @@ def test_small_stress_reserved_stays_within_five_percent_of_the_high_water_mark(
     rng = random.Random(0)
     store = PagedStore(Config(page_size=PAGE))
     payload_high_water = live = 0
-    for step in range(40):
+    for step in range(80):
         refs = []
-        for i in range(rng.randrange(6, 18)):
+        for i in range(rng.randrange(6, 24)):
             numel = int(2 ** rng.uniform(13, 18))  # 8K .. 256K elements
             bits = rng.choice((1, 2, 4, 8))
             payload = torch.empty(payload_bytes(numel, bits, 256), dtype=torch.uint8)
@@ -241,4 +241,4 @@ class BudgetMachine(RuleBasedStateMachine):
 
 
 TestBudgetMachine = BudgetMachine.TestCase
-TestBudgetMachine.settings = settings(max_examples=20, stateful_step_count=25, deadline=None)
+TestBudgetMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)

@@ -18,9 +18,8 @@ class OutOfBudget(MemoryError):
     def __init__(self, site: str, asked: int, budget: int, in_use: int, why: str) -> None:
         self.site, self.asked, self.budget, self.in_use = site, asked, budget, in_use
         super().__init__(
-            f"activation {site!r} needs {_mib(asked)} but Config.budget is {_mib(budget)} with {_mib(in_use)} "
-            f"in use that cannot be spilled ({why}); raise Config.budget, lower Config.min_bits, or use a "
-            f"smaller batch"
+            f"activation {site!r} needs {_mib(asked)} but Config.budget is {_mib(budget)} and {_mib(in_use)} "
+            f"are in use: {why}; raise Config.budget, lower Config.min_bits, or use a smaller batch"
         )
 
 

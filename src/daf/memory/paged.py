@@ -51,7 +51,7 @@ class _Record:
     pages: list[int] | None = None
     spilled: SpillHandle | None = None
     loading: Future | None = None
-    prefetched: bool = False
+    awaited: bool = False  # spilled since backward last asked for it: its next get is a hit or a miss
     released: bool = False
     error: BaseException | None = None
 
@@ -153,19 +153,14 @@ class PagedStore:
             record = self._record(ref)
             self._in_backward = True
             self._schedule_prefetch()
-            if record.loading is None and record.error is None:
-                return self._resident_or_read(record)
             loading = record.loading
+            if loading is None:
+                return self._resident_or_read(record)
         started = time.perf_counter()
-        if loading is not None:
-            loading.exception()  # wait; the error, if any, is on the record
+        loading.exception()  # wait for the worker; an error it met is on the record
         with self._locked():
             self.spill_wait_seconds += time.perf_counter() - started
-            if record.error is not None:
-                raise record.error
-            self.counters["prefetch_misses"] += 1  # asked for before its read ended
-            record.prefetched = False
-            return self._resident_or_read(record)
+            return self._resident_or_read(record, waited=True)
 
     def release(self, ref: int) -> None:
         """Forget ``ref``: its pages are free at once and its spill file is deleted. Unknown refs are ignored."""
@@ -208,17 +203,19 @@ class PagedStore:
         self._pools[record.device].free(record.pages)
         record.pages = None
 
-    def _resident_or_read(self, record: _Record) -> Packed:
+    def _resident_or_read(self, record: _Record, waited: bool = False) -> Packed:
+        if record.error is not None:
+            raise record.error
+        if record.awaited:
+            hit = record.pages is not None and not waited
+            self.counters["prefetch_hits" if hit else "prefetch_misses"] += 1
+            record.awaited = False
         if record.pages is not None:
-            if record.prefetched:
-                self.counters["prefetch_hits"] += 1
-                record.prefetched = False
             payload = self._gather(record)
-        else:  # spilled and not prefetched: read it here, into memory outside the pool
+        else:  # spilled and not read back yet: read it here, into memory outside the pool
             started = time.perf_counter()
             payload = self._spill.read(record.spilled, record.site, record.device)
             self.spill_wait_seconds += time.perf_counter() - started
-            self.counters["prefetch_misses"] += 1
         return dataclasses.replace(record.header, payload=payload)
 
     def _gather(self, record: _Record) -> torch.Tensor:
@@ -258,7 +255,7 @@ class PagedStore:
                 self._spill_out(victim)
             else:
                 raise OutOfBudget(record.site, record.side_bytes, self.budget, self._used,
-                                  "everything else is on disk or being read back")
+                                  "its exception side table does not fit beside what cannot be spilled")
         return payload
 
     def _refuse_if_never_fits(self, record: _Record, packed: Packed) -> None:
@@ -267,8 +264,9 @@ class PagedStore:
         smallest = self._cost(payload_bytes(packed.numel, bits, packed.group_size))
         if self._side + self._loading + record.side_bytes + smallest > self.budget:
             raise OutOfBudget(record.site, smallest + record.side_bytes, self.budget, self._used,
-                              f"{self._side} B of exception side tables and {self._loading} B being read back "
-                              f"stay in memory; the activation takes {smallest} B at {bits} bits")
+                              f"it takes {smallest} B at {bits} bits (the fewest allowed) plus {record.side_bytes} B "
+                              f"of exceptions, and {self._side + self._loading} B cannot be spilled (exception "
+                              f"side tables, reads in flight)")
 
     def _can_demote(self, record: _Record) -> bool:
         return self._codec is not None and record.header.bits > self.min_bits
@@ -298,6 +296,7 @@ class PagedStore:
 
     def _spill_payload(self, record: _Record, segments: list[torch.Tensor]) -> None:
         record.spilled = self._spill.write(record.ref, segments, record.site)
+        record.awaited = True
         self._spilled.add(record)
         self.counters["spills"] += 1
         self.counters["spilled_bytes"] += record.nbytes
@@ -337,7 +336,6 @@ class PagedStore:
                 return
             self._spill.remove(record.spilled)
             record.spilled = None
-            record.prefetched = True
             self._index_resident(record)
 
     # -- release, figures, close -----------------------------------------------------------
