@@ -18,19 +18,30 @@ a pool made of several chunks is rebuilt as one chunk of the same size.
 >>> pool.read(pages, 10000)[:4].tolist()
 [0, 1, 2, 3]
 >>> pool.free(pages); pool.in_use_pages, pool.reserved_pages
-(0, 64)
+(0, 3)
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import mmap
 from collections.abc import Iterator
 
 import torch
 from sortedcontainers import SortedList
 
 __all__ = ["PagePool", "PoolExhausted"]
+
+def _reserve(nbytes: int, device: torch.device) -> torch.Tensor:
+    """uint8 [nbytes] on ``device``. On the CPU an anonymous mapping of its own rather than
+    malloc: a long-lived chunk on top of glibc's heap would keep every free byte below it
+    resident (docs/memory.md); a mapping is outside the heap and is unmapped when dropped.
+    Its pages cost RSS only once written."""
+    if device.type == "cpu":
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor keeps the map alive
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
 
 class PoolExhausted(MemoryError):
     """The pool would have to grow past its limit."""
@@ -169,7 +180,7 @@ class PagePool:
         self.growths += 1
 
     def _add_chunk(self, pages: int) -> None:
-        chunk = torch.empty(pages * self.page_size, dtype=torch.uint8, device=self.device)
+        chunk = _reserve(pages * self.page_size, self.device)
         self._starts.append(self.reserved_pages)
         self._chunks.append(chunk)
         self._free.update(range(self.reserved_pages, self.reserved_pages + pages))
