@@ -112,7 +112,7 @@ class PagedStore:
         self._in_backward = False
         self.counters = dict.fromkeys(("demotions", "demoted_bytes_saved", "spills", "spilled_bytes",
                                        "prefetches", "prefetch_hits", "prefetch_misses"), 0)
-        self.spill_wait_seconds = 0.0
+        self.seconds = dict.fromkeys(("demote_seconds", "spill_write_seconds", "spill_wait_seconds"), 0.0)
 
     # -- locking ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -159,7 +159,7 @@ class PagedStore:
         started = time.perf_counter()
         loading.exception()  # wait for the worker; an error it met is on the record
         with self._locked():
-            self.spill_wait_seconds += time.perf_counter() - started
+            self.seconds["spill_wait_seconds"] += time.perf_counter() - started
             return self._resident_or_read(record, waited=True)
 
     def release(self, ref: int) -> None:
@@ -193,7 +193,7 @@ class PagedStore:
 
     def _index_resident(self, record: _Record) -> None:
         self._resident.add(record)
-        if record.header.bits > self.min_bits and self._codec is not None:
+        if self._can_demote(record):
             self._demotable.add(record)
 
     def _unplace(self, record: _Record) -> None:
@@ -215,7 +215,7 @@ class PagedStore:
         else:  # spilled and not read back yet: read it here, into memory outside the pool
             started = time.perf_counter()
             payload = self._spill.read(record.spilled, record.site, record.device)
-            self.spill_wait_seconds += time.perf_counter() - started
+            self.seconds["spill_wait_seconds"] += time.perf_counter() - started
         return dataclasses.replace(record.header, payload=payload)
 
     def _gather(self, record: _Record) -> torch.Tensor:
@@ -259,24 +259,37 @@ class PagedStore:
         return payload
 
     def _refuse_if_never_fits(self, record: _Record, packed: Packed) -> None:
-        """``OutOfBudget`` if the record cannot fit even at min_bits with every other payload on disk. O(1)."""
-        bits = min(packed.bits, self.min_bits) if self._can_demote(record) else packed.bits
-        smallest = self._cost(payload_bytes(packed.numel, bits, packed.group_size))
+        """``OutOfBudget`` if the record cannot fit even demoted as far as it goes, with every other
+        payload on disk. O(1)."""
+        bits, smallest = packed.bits, self._cost(record.nbytes)
+        while self._codec is not None and bits > self.min_bits:
+            fewer = max(self.min_bits, bits // 2)
+            cost = self._cost(payload_bytes(packed.numel, fewer, packed.group_size))
+            if cost >= smallest:
+                break
+            bits, smallest = fewer, cost
         if self._side + self._loading + record.side_bytes + smallest > self.budget:
             raise OutOfBudget(record.site, smallest + record.side_bytes, self.budget, self._used,
-                              f"it takes {smallest} B at {bits} bits (the fewest allowed) plus {record.side_bytes} B "
-                              f"of exceptions, and {self._side + self._loading} B cannot be spilled (exception "
-                              f"side tables, reads in flight)")
+                              f"it takes {smallest} B at {bits} bits (as far as demotion goes) plus "
+                              f"{record.side_bytes} B of exceptions, and {self._side + self._loading} B cannot "
+                              f"be spilled (exception side tables, reads in flight)")
 
     def _can_demote(self, record: _Record) -> bool:
-        return self._codec is not None and record.header.bits > self.min_bits
+        """Whether halving the record's bits (not below min_bits) would free at least one page."""
+        header = record.header
+        if self._codec is None or header.bits <= self.min_bits:
+            return False
+        fewer = payload_bytes(header.numel, max(self.min_bits, header.bits // 2), header.group_size)
+        return self._cost(fewer) < self._cost(record.nbytes)
 
     def _reencode(self, packed: Packed) -> Packed:
+        started = time.perf_counter()
         bits = max(self.min_bits, packed.bits // 2)
         self.counters["demotions"] += 1
         seed = zlib.crc32(struct.pack("<QQ", self._seed, self.counters["demotions"]))
         demoted = self._codec.reencode(packed, bits, seed)
         self.counters["demoted_bytes_saved"] += packed.nbytes - demoted.nbytes
+        self.seconds["demote_seconds"] += time.perf_counter() - started
         return demoted
 
     def _demote(self, record: _Record) -> None:
@@ -295,7 +308,9 @@ class PagedStore:
         self._unplace(record)
 
     def _spill_payload(self, record: _Record, segments: list[torch.Tensor]) -> None:
+        started = time.perf_counter()
         record.spilled = self._spill.write(record.ref, segments, record.site)
+        self.seconds["spill_write_seconds"] += time.perf_counter() - started
         record.awaited = True
         self._spilled.add(record)
         self.counters["spills"] += 1
@@ -373,7 +388,7 @@ class PagedStore:
             }
             if self.budget is not None:
                 figures.update(budget=self.budget, min_bits=self.min_bits, **self.counters,
-                               spilled_now=len(self._spilled), spill_wait_seconds=self.spill_wait_seconds)
+                               spilled_now=len(self._spilled), **self.seconds)
             return figures
 
     def close(self) -> None:
