@@ -242,3 +242,15 @@ class BudgetMachine(RuleBasedStateMachine):
 
 TestBudgetMachine = BudgetMachine.TestCase
 TestBudgetMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_a_release_from_inside_the_store_waits_for_the_lock_instead_of_deadlocking():
+    store = PagedStore(Config(page_size=PAGE))
+    ref = store.put(_packed(5000, 2), 0.0, "a#0")
+    with store._locked():  # as when garbage collection runs a _Saved.__del__ inside the store
+        store.release(ref)
+        assert len(store) == 1
+    assert len(store) == 0
+    with pytest.raises(KeyError, match="not stored"):
+        store.get(ref)
+    store._check()

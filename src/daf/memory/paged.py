@@ -34,6 +34,7 @@ from daf.memory.errors import OutOfBudget
 from daf.memory.index import ImportanceIndex, by_importance, by_need
 from daf.memory.pool import PagePool
 from daf.memory.spill import SpillHandle, SpillStore
+from daf.memory.store import lookup
 
 __all__ = ["PagedStore"]
 
@@ -150,7 +151,7 @@ class PagedStore:
     def get(self, ref: int) -> Packed:
         """The record under ``ref`` (at its current bits: demotion may have lowered them)."""
         with self._locked():
-            record = self._record(ref)
+            record = lookup(self._records, ref)
             self._in_backward = True
             self._schedule_prefetch()
             loading = record.loading
@@ -220,12 +221,6 @@ class PagedStore:
 
     def _gather(self, record: _Record) -> torch.Tensor:
         return self._pools[record.device].read(record.pages, record.nbytes)
-
-    def _record(self, ref: int) -> _Record:
-        try:
-            return self._records[ref]
-        except KeyError:
-            raise KeyError(f"activation record {ref} is not stored (already released?)") from None
 
     # -- the budget: demote, spill, refuse -------------------------------------------------
     def _cost(self, nbytes: int) -> int:

@@ -6,11 +6,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from daf.format import Packed
 
-__all__ = ["Store", "HeapStore"]
+__all__ = ["Store", "HeapStore", "lookup"]
+
+_Record = TypeVar("_Record")
+
+
+def lookup(records: dict[int, _Record], ref: int) -> _Record:
+    """``records[ref]``, or a ``KeyError`` that says the record is gone. O(1)."""
+    try:
+        return records[ref]
+    except KeyError:
+        raise KeyError(f"activation record {ref} is not stored (already released?)") from None
 
 
 class Store(Protocol):
@@ -46,10 +56,7 @@ class HeapStore:
         return ref
 
     def get(self, ref: int) -> Packed:
-        try:
-            return self._records[ref]
-        except KeyError:
-            raise KeyError(f"activation record {ref} is not stored (already released?)") from None
+        return lookup(self._records, ref)
 
     def release(self, ref: int) -> None:
         packed = self._records.pop(ref, None)
