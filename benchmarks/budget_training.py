@@ -5,8 +5,8 @@ python benchmarks/budget_training.py [--steps 200] [--width 8] [--batch 32] [--f
 A small CNN (the project's ResNet-18 at width 8, 0.7 M parameters, 1-channel stem) trains on
 Fashion-MNIST (SGD, momentum 0.9, lr 0.05, seed 0, same batches for every run): fp32, DAF at
 2 bits without a budget, and DAF at 2 bits under ``--fraction`` of the store's high-water
-mark of the unconstrained 2-bit run, once spilling only (min_bits=2) and once demoting to
-1 bit first (min_bits=1, the default). Prints the mean loss per window of steps, the
+mark of the unconstrained 2-bit run, once spilling only (min_bits=2, the default) and once
+demoting to 1 bit before spilling (min_bits=1). Prints the mean loss per window of steps, the
 largest gap to the unconstrained 2-bit curve, test accuracy on 2000 held-out images,
 seconds per step and, for each budgeted run, the store section of ``daf.report``.
 """

@@ -87,7 +87,8 @@ class Config:
         codec: "minmax" (per-group min/scale) or "division" (DIVISION dual precision for 4-D activations).
         backend: "auto" (native kernels when they build, else reference), "native" or "reference".
         budget: memory budget for stored activations, bytes or a string like "512MiB"; None for no limit.
-        min_bits: the fewest bits demotion may go down to under a budget.
+        min_bits: the fewest bits demotion may go down to under a budget. 2 by default: demoting to
+            1 bit wrecked training in the 200-step budget benchmark (docs/paging.md).
         replan_every: steps between two re-plans of the adaptive policy.
         page_size: bytes per page of the activation pool; a power of two in [4KiB, 64MiB]. Each record
             wastes half a page on average: 4KiB keeps that under 1% on ResNet-18 (docs/paging.md).
@@ -104,7 +105,7 @@ class Config:
     codec: str = "minmax"
     backend: str = "auto"
     budget: int | str | None = None
-    min_bits: int = 1
+    min_bits: int = 2
     replan_every: int = 50
     page_size: int = 4096
     spill_dir: str | None = None

@@ -40,8 +40,10 @@ def _wait_for_reads(store: PagedStore) -> None:
         pass
 
 
-def test_make_store_picks_the_paged_store_under_a_budget():
+def test_make_store_picks_the_paged_store_with_and_without_a_budget():
     assert isinstance(make_store(Config(budget="1MiB"), Codec(Config())), PagedStore)
+    store = make_store(Config(), Codec(Config()))
+    assert isinstance(store, PagedStore) and store._worker is None and store._spill is None
 
 
 def test_round_trip_without_budget_keeps_everything_exact_including_exceptions():

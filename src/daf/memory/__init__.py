@@ -10,7 +10,7 @@ __all__ = ["Store", "HeapStore", "PagedStore", "OutOfBudget", "SpillError", "mak
 
 
 def make_store(config: Config, codec: Codec) -> Store:
-    """The store for ``config``; ``codec`` is what a store re-encodes with when it demotes."""
-    if config.budget is not None:
-        return PagedStore(config, codec)
-    return HeapStore()
+    """The store for ``config``: the paged store, with or without a budget; ``codec`` is what it
+    re-encodes with when it demotes. (Measured against ``HeapStore`` in docs/paging.md: same step
+    time, flat RSS under varying shapes.)"""
+    return PagedStore(config, codec)
