@@ -2,7 +2,7 @@
 
 python benchmarks/budget_training.py [--steps 200] [--width 8] [--batch 32] [--fraction 0.25] [--json out.json]
 
-A small CNN (the project's ResNet-18 at width 8, 0.7 M parameters, 1-channel stem) trains on
+A small CNN (the project's ResNet-18 at width 8, 0.18 M parameters, 1-channel stem) trains on
 Fashion-MNIST (SGD, momentum 0.9, lr 0.05, seed 0, same batches for every run): fp32, DAF at
 2 bits without a budget, and DAF at 2 bits under ``--fraction`` of the store's high-water
 mark of the unconstrained 2-bit run, once spilling only (min_bits=2, the default) and once
