@@ -20,7 +20,7 @@ CHILD = """
 import ctypes, gc, json, resource, sys, time
 import torch, torch.nn.functional as F
 import daf
-from daf.memory import PagedStore
+from daf.memory import HeapStore, PagedStore
 from daf.workloads.resnet import ResNet18
 kind, width, batch, steps, page_size, threads = sys.argv[1], *map(int, sys.argv[2:7])
 torch.set_num_threads(threads)
@@ -33,8 +33,7 @@ x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
 if kind != "fp32":
     daf.wrap(model, bits=2, page_size=page_size)
     session = daf.session_of(model)
-    if kind == "paged":
-        session.store = PagedStore(session.config, session.codec)
+    session.store = PagedStore(session.config, session.codec) if kind == "paged" else HeapStore()
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 start = rss()
 times = []
