@@ -1,8 +1,8 @@
 """Training under Config.budget through daf.wrap: exact spills, close demotions, clear refusals, clean-up.
 
 Figures seen when the thresholds were set (seed 0, SmallCNN, batch 16, 32x32; cosine of all
-parameter gradients against fp32): 8 bits 0.99995, 4 bits 0.9985, 8 bits under a budget of
-0.6 of the 8-bit store (7 demotions to 4 bits, no spill) 0.99962. The 200-step run under a quarter of
+parameter gradients against fp32): 8 bits 0.99997, 4 bits 0.9992, 8 bits under a budget of
+0.6 of the 8-bit store (4 demotions to 4 bits, no spill) 0.99979. The 200-step run under a quarter of
 the 2-bit store is benchmarks/budget_training.py: spilling only (min_bits=2) trains exactly like
 the unconstrained run; demoting to 1 bit first (min_bits=1) fell far behind over 200 steps
 (test accuracy 0.19 against 0.70). The short version here (ResNet-18 width 16, batch 16, 6 steps)
