@@ -23,16 +23,19 @@ def steps_of(packed):
 @pytest.mark.parametrize("group_size", [16, 64, 256])
 @pytest.mark.parametrize("numel", [1, 15, 257, 1000, 4099])
 def test_nearest_error_is_at_most_half_a_step(bits, group_size, numel):
+    torch.manual_seed(bits * 100_003 + group_size * 101 + numel)
     x = torch.randn(numel) * 3 + 1
     packed = encode(x, bits, group_size, "nearest")
     assert packed.payload.numel() == payload_bytes(numel, bits, group_size)
     err = (decode(packed) - x).abs()
-    assert bool((err <= steps_of(packed) * 0.5 * (1 + 1e-5) + 1e-7).all())
+    # float32 rounding of q * step + lo adds up to a few ulps of |x| on top of the half step
+    assert bool((err <= steps_of(packed) * 0.5 * (1 + 1e-5) + x.abs() * 2**-21).all())
 
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("numel", [100, 1000, 4099])
 def test_stochastic_error_is_below_one_step(bits, numel):
+    torch.manual_seed(bits * 7 + numel)
     x = torch.randn(numel)
     packed = encode(x, bits, 64, "stochastic", seed=3)
     assert bool(((decode(packed) - x).abs() < steps_of(packed) * (1 + 1e-5)).all())
