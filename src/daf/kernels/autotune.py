@@ -99,7 +99,7 @@ class Autotuner:
     def _read(self) -> dict[str, dict]:
         try:
             text = self.path.read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return {}
         except OSError as error:
             warnings.warn(f"DAF autotune cache {self.path} unreadable ({error}); timing again", RuntimeWarning)
