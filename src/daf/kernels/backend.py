@@ -32,15 +32,22 @@ _MASK32 = 0xFFFFFFFF
 class NativeBackend:
     """Format-1 encode/decode through the native kernels, with its own strategy autotuner.
 
-    ``fallbacks`` counts tensors handed to the reference because of exceptional values.
+    ``serial=True`` encodes on the calling thread only (for a background packer, so that it
+    does not start a second team of threads beside torch's). ``fallbacks`` counts tensors
+    handed to the reference because of exceptional values.
     """
 
     name = "native"
 
-    def __init__(self, extension: ModuleType, tuner: Autotuner | None = None) -> None:
+    def __init__(self, extension: ModuleType, tuner: Autotuner | None = None, serial: bool = False) -> None:
         self._ext = extension
         self.tuner = tuner if tuner is not None else Autotuner()
+        self.serial = serial
         self.fallbacks = 0
+
+    def serial_twin(self) -> "NativeBackend":
+        """A backend on the same library and autotuner that encodes on the calling thread only."""
+        return NativeBackend(self._ext, self.tuner, serial=True)
 
     def supports(self, x: torch.Tensor, group_size: int) -> bool:
         """Whether the kernels take this input (else the reference does)."""
@@ -69,7 +76,7 @@ class NativeBackend:
 
         def run(name: str) -> bool:
             return self._ext.encode(x.data_ptr(), numel, _DTYPE_CODES[x.dtype], payload.data_ptr(), bits,
-                                    group_size, stochastic, seed & _MASK32, STRATEGIES[name])
+                                    group_size, stochastic, seed & _MASK32, STRATEGIES[name], self.serial)
 
         if strategy is None:
             strategy = self._strategy(x, bits, group_size, stochastic, run)
@@ -112,7 +119,7 @@ class NativeBackend:
         return out
 
     def _strategy(self, x: torch.Tensor, bits: int, group_size: int, stochastic: bool, run) -> str:
-        if x.numel() < _TUNE_MIN_NUMEL:
+        if x.numel() < _TUNE_MIN_NUMEL or self.serial:  # one thread: the strategies coincide
             return "whole_groups"
         shape_class = (f"{str(x.dtype).replace('torch.', '')}|b{bits}|{'sr' if stochastic else 'rn'}"
                        f"|g{group_size}|n2^{x.numel().bit_length() - 1}")

@@ -16,22 +16,27 @@ namespace {
 
 enum DType : int64_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+struct EncodeOptions {
+  bool stochastic;
+  uint32_t seed32;
+  Strategy strategy;
+  bool serial;
+};
+
 template <typename T, int BITS>
-bool encode_typed(const void* x, uint8_t* payload, Layout layout, bool stochastic, uint32_t seed32,
-                  Strategy strategy) {
+bool encode_typed(const void* x, uint8_t* payload, Layout layout, EncodeOptions o) {
   const T* typed = static_cast<const T*>(x);
-  if (stochastic) return Encoder<T, BITS, true>(typed, payload, layout, seed32).run(strategy);
-  return Encoder<T, BITS, false>(typed, payload, layout, seed32).run(strategy);
+  if (o.stochastic) return Encoder<T, BITS, true>(typed, payload, layout, o.seed32, o.serial).run(o.strategy);
+  return Encoder<T, BITS, false>(typed, payload, layout, o.seed32, o.serial).run(o.strategy);
 }
 
 template <typename T>
-bool encode_bits(const void* x, uint8_t* payload, Layout layout, bool stochastic, uint32_t seed32,
-                 Strategy strategy) {
+bool encode_bits(const void* x, uint8_t* payload, Layout layout, EncodeOptions o) {
   switch (layout.bits) {
-    case 1: return encode_typed<T, 1>(x, payload, layout, stochastic, seed32, strategy);
-    case 2: return encode_typed<T, 2>(x, payload, layout, stochastic, seed32, strategy);
-    case 4: return encode_typed<T, 4>(x, payload, layout, stochastic, seed32, strategy);
-    case 8: return encode_typed<T, 8>(x, payload, layout, stochastic, seed32, strategy);
+    case 1: return encode_typed<T, 1>(x, payload, layout, o);
+    case 2: return encode_typed<T, 2>(x, payload, layout, o);
+    case 4: return encode_typed<T, 4>(x, payload, layout, o);
+    case 8: return encode_typed<T, 8>(x, payload, layout, o);
   }
   throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(layout.bits));
 }
@@ -58,19 +63,19 @@ Layout checked_layout(int64_t numel, int64_t bits, int64_t group_size) {
 
 // x: address of numel elements of dtype (0 float32, 1 float16, 2 bfloat16), contiguous;
 // payload: address of groups * row_bytes writable bytes. Returns false when an exceptional
-// value was met (the caller then encodes the tensor with the reference).
+// value was met (the caller then encodes the tensor with the reference). serial: use the
+// calling thread only.
 bool encode(int64_t x, int64_t numel, int64_t dtype, int64_t payload, int64_t bits, int64_t group_size,
-            bool stochastic, int64_t seed32, int64_t strategy) {
+            bool stochastic, int64_t seed32, int64_t strategy, bool serial) {
   Layout layout = checked_layout(numel, bits, group_size);
   if (strategy != kWholeGroups && strategy != kSplitRange) throw std::invalid_argument("unknown strategy");
   const void* src = reinterpret_cast<const void*>(x);
   uint8_t* dst = reinterpret_cast<uint8_t*>(payload);
-  const uint32_t seed = static_cast<uint32_t>(seed32);
-  const Strategy s = static_cast<Strategy>(strategy);
+  const EncodeOptions o{stochastic, static_cast<uint32_t>(seed32), static_cast<Strategy>(strategy), serial};
   switch (dtype) {
-    case kFloat32: return encode_bits<float>(src, dst, layout, stochastic, seed, s);
-    case kFloat16: return encode_bits<c10::Half>(src, dst, layout, stochastic, seed, s);
-    case kBFloat16: return encode_bits<c10::BFloat16>(src, dst, layout, stochastic, seed, s);
+    case kFloat32: return encode_bits<float>(src, dst, layout, o);
+    case kFloat16: return encode_bits<c10::Half>(src, dst, layout, o);
+    case kBFloat16: return encode_bits<c10::BFloat16>(src, dst, layout, o);
   }
   throw std::invalid_argument("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
 }

@@ -28,11 +28,22 @@ struct Layout {
   int64_t grain(int64_t unit) const { return std::max<int64_t>(1, kGrainElements / unit); }
 };
 
+// at::parallel_for on torch's intra-op threads, or the calling thread alone (serial): a
+// background packer encodes on one thread while forward keeps torch's threads busy.
+template <typename F>
+void for_range(bool serial, int64_t end, int64_t grain, const F& f) {
+  if (serial) {
+    if (end > 0) f(0, end);
+  } else {
+    at::parallel_for(0, end, grain, f);
+  }
+}
+
 template <typename T, int BITS, bool STOCHASTIC>
 class Encoder {
  public:
-  Encoder(const T* x, uint8_t* payload, Layout layout, uint32_t seed32)
-      : x_(x), payload_(payload), layout_(layout), seed32_(seed32) {}
+  Encoder(const T* x, uint8_t* payload, Layout layout, uint32_t seed32, bool serial)
+      : x_(x), payload_(payload), layout_(layout), seed32_(seed32), serial_(serial) {}
 
   // Returns false if some group holds an exceptional value (the payload is then incomplete).
   bool run(Strategy strategy) { return strategy == kSplitRange ? split_range() : whole_groups(); }
@@ -42,7 +53,7 @@ class Encoder {
   // encodes it while it is still in cache. Best for many small groups.
   bool whole_groups() {
     std::atomic<bool> regular{true};
-    at::parallel_for(0, layout_.groups(), layout_.grain(layout_.group_size), [&](int64_t first, int64_t last) {
+    for_range(serial_, layout_.groups(), layout_.grain(layout_.group_size), [&](int64_t first, int64_t last) {
       alignas(64) float buf[kBlock];
       for (int64_t g = first; g < last; ++g) {
         if (!encode_group(g, buf)) regular.store(false, std::memory_order_relaxed);
@@ -89,7 +100,7 @@ class Encoder {
     const int64_t blocks = (layout_.numel + block - 1) / block;
     const int64_t per_group = layout_.group_size / block;
     std::vector<Range> partial(blocks);
-    at::parallel_for(0, blocks, layout_.grain(block), [&](int64_t first, int64_t last) {
+    for_range(serial_, blocks, layout_.grain(block), [&](int64_t first, int64_t last) {
       alignas(64) float buf[kBlock];
       for (int64_t b = first; b < last; ++b) {
         const int64_t m = std::min(block, layout_.numel - b * block);
@@ -104,7 +115,7 @@ class Encoder {
       scales[g] = scale_of(r, BITS);
       write_meta(payload_ + g * layout_.row_bytes(), scales[g]);
     }
-    at::parallel_for(0, blocks, layout_.grain(block), [&](int64_t first, int64_t last) {
+    for_range(serial_, blocks, layout_.grain(block), [&](int64_t first, int64_t last) {
       alignas(64) float buf[kBlock];
       for (int64_t b = first; b < last; ++b) {
         const int64_t start = b * block, m = std::min(block, layout_.numel - start);
@@ -128,6 +139,7 @@ class Encoder {
   uint8_t* payload_;
   Layout layout_;
   uint32_t seed32_;
+  bool serial_;
 };
 
 // Decode: blocks of min(group_size, kBlock) elements in parallel, each dequantized straight
