@@ -69,6 +69,10 @@ class Session:
         self._parameters_referenced = 0
         self.packer = BackgroundPacker(self.codec) if config.background else None
         self._pending: list[tuple[_Saved, int]] = []  # background packs and their report row
+        # The last tensor unpacked, while its record lives: a tensor saved by two ops (a ReLU
+        # output is also the next conv's input) is usually unpacked twice in a row, and this
+        # decodes it once. Holds at most one decoded tensor, dropped with its record.
+        self._recent: tuple[weakref.ref, torch.Tensor] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def begin_forward(self, model: torch.nn.Module | None = None) -> None:
@@ -129,9 +133,18 @@ class Session:
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
+        recent = self._recent
+        if recent is not None and recent[0]() is saved:
+            return recent[1]
         if saved.ref is None:  # backward (or checkpointing) asked before the forward ended
             self._collect_pending()
-        return self.codec.decode(self.store.get(saved.ref))
+        tensor = self.codec.decode(self.store.get(saved.ref))
+        self._recent = (weakref.ref(saved, self._forget_recent), tensor)
+        return tensor
+
+    def _forget_recent(self, dead: weakref.ref) -> None:
+        if self._recent is not None and self._recent[0] is dead:
+            self._recent = None
 
     def _collect_pending(self) -> None:
         """Wait for the background packs of this forward and put them into the store, in pack order."""
@@ -179,6 +192,7 @@ class Session:
         self._collect_pending()
         if self.packer is not None:
             self.packer.close()
+        self._recent = None
         self._shared.clear()
         self.store.close()
 

@@ -1,0 +1,47 @@
+"""A tensor saved by two ops is decoded once when backward unpacks it twice in a row."""
+
+import gc
+
+import torch
+
+import daf
+from daf.codec import Codec
+from daf.codec.backends import REFERENCE
+from daf.runtime import Session
+
+
+class CountingBackend:
+    name = "counting"
+
+    def __init__(self):
+        self.encodes = self.decodes = 0
+
+    def encode_flat(self, *args):
+        self.encodes += 1
+        return REFERENCE.encode_flat(*args)
+
+    def decode_flat(self, *args):
+        self.decodes += 1
+        return REFERENCE.decode_flat(*args)
+
+
+def test_shared_tensor_decoded_once_and_not_kept_after_backward():
+    config = daf.Config(min_numel=1, bits=8)
+    backend = CountingBackend()
+    session = Session(config, codec=Codec(config, backend))
+    w1 = torch.randn(32, 64, requires_grad=True)
+    w2 = torch.randn(64, 16, requires_grad=True)
+    x = torch.randn(128, 32)
+    session.begin_forward()
+    with session.hooks():
+        h = torch.relu(x @ w1)  # relu saves h; the next matmul saves h again
+        loss = (h @ w2).sum()
+    session.end_forward()
+    assert backend.encodes == 2  # x (saved by the first matmul) and h
+    loss.backward()
+    assert backend.decodes == 2  # not 3: h is decoded once for relu and the second matmul
+    gc.collect()
+    assert session._recent is None  # the decoded tensor went with its record
+    expected = torch.autograd.grad(((x @ w1).relu() @ w2).sum(), [w1, w2])
+    assert torch.allclose(w1.grad, expected[0], rtol=0.05, atol=0.05 * float(expected[0].abs().max()))
+    assert torch.allclose(w2.grad, expected[1], rtol=0.05, atol=0.05 * float(expected[1].abs().max()))
