@@ -9,7 +9,7 @@ For each fp32 size and bit-width, medians after one warm-up run, all in the same
 - naive: a plain-PyTorch per-group quantizer with ``torch.rand_like`` noise and the same bit
   packing (the quantizer of ActNN/GACT written the obvious way), compress and decompress;
 - reference: DAF's reference codec (plain PyTorch, counter-based noise), compress and decompress.
-Group size 256. GB/s count fp32 bytes in (compress) or out (decompress).
+Group size 256 (the strategy table: 2^16 and 2^20 too, where groups are few). GB/s count fp32 bytes in (compress) or out (decompress).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from daf.codec import reference
 from daf.kernels import native_backend, native_status
+from daf.kernels.backend import STRATEGIES
 
 GROUP = 256
 BITS = (1, 2, 4, 8)
@@ -97,6 +98,27 @@ def bench_size(size_mb: int, with_reference: bool, with_naive: bool) -> dict:
     return row
 
 
+def bench_strategies(size_mb: int, group_sizes: tuple[int, ...], repeats: int = 7) -> list[dict]:
+    """The two reduction strategies, forced, at 2 bits (stochastic) for several group sizes."""
+    numel = size_mb * 2**18
+    x = torch.randn(numel)
+    backend = native_backend()
+    rows = []
+    for group in group_sizes:
+        seconds = {name: median_seconds(lambda: backend.encode_flat(x, 2, group, True, 1, strategy=name), repeats)
+                   for name in STRATEGIES}
+        rows.append({"size_mb": size_mb, "group_size": group, "groups": -(-numel // group),
+                     "GBps": {name: numel * 4 / t / 1e9 for name, t in seconds.items()}})
+    return rows
+
+
+def print_strategies(rows: list[dict]) -> None:
+    print(f"\nreduction strategies, 2 bits stochastic (GB/s of fp32): {' / '.join(STRATEGIES)}")
+    for r in rows:
+        speeds = " / ".join(f"{r['GBps'][name]:.2f}" for name in STRATEGIES)
+        print(f"  {r['size_mb']:>4} MB, group {r['group_size']:>8} ({r['groups']:>6} groups): {speeds}")
+
+
 def print_row(row: dict) -> None:
     copy = row["copy_GBps"]
     print(f"\n{row['size_mb']} MB fp32 ({row['numel']:,} elements, median of {row['repeats']}): "
@@ -133,10 +155,12 @@ def main() -> None:
     for size in sizes:
         rows.append(bench_size(size, not args.no_reference, not args.no_naive))
         print_row(rows[-1])
+    strategies = bench_strategies(4, (256, 2**16, 2**20)) + bench_strategies(64, (256, 2**16, 2**20))
+    print_strategies(strategies)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"group_size": GROUP, "threads": torch.get_num_threads(), "native_status": native_status(),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "strategies": strategies}, f, indent=1)
 
 
 if __name__ == "__main__":

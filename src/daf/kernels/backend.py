@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 
 from daf.codec import reference
-from daf.format import payload_bytes
+from daf.format import num_groups, payload_bytes
 from daf.kernels.autotune import Autotuner
 
 __all__ = ["NativeBackend", "STRATEGIES"]
@@ -26,6 +26,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 STRATEGIES = {"whole_groups": 0, "split_range": 1}
 # Below this size both strategies run on one thread (kGrainElements * 2 in kernels.h): nothing to tune.
 _TUNE_MIN_NUMEL = 32768
+# With at least this many groups per thread, splitting groups across threads cannot pay.
+_MANY_GROUPS_PER_THREAD = 16
 _MASK32 = 0xFFFFFFFF
 
 
@@ -119,7 +121,11 @@ class NativeBackend:
         return out
 
     def _strategy(self, x: torch.Tensor, bits: int, group_size: int, stochastic: bool, run) -> str:
+        """Whole groups where it is bound to win; the autotuner's timed choice where it is not."""
         if x.numel() < _TUNE_MIN_NUMEL or self.serial:  # one thread: the strategies coincide
+            return "whole_groups"
+        if num_groups(x.numel(), group_size) >= _MANY_GROUPS_PER_THREAD * torch.get_num_threads():
+            # Enough groups to balance the threads: one pass beats two, timing could only add noise.
             return "whole_groups"
         shape_class = (f"{str(x.dtype).replace('torch.', '')}|b{bits}|{'sr' if stochastic else 'rn'}"
                        f"|g{group_size}|n2^{x.numel().bit_length() - 1}")
