@@ -6,12 +6,17 @@ True
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from daf.kernels.build import load_extension
+
+if TYPE_CHECKING:
+    from daf.kernels.backend import NativeBackend
 
 __all__ = ["native_backend", "native_status"]
 
 
-def native_backend():
+def native_backend() -> NativeBackend | None:
     """A new ``NativeBackend`` (with its own autotuner) or None when the kernels did not build.
 
     The first call in a process builds or loads the extension (a failure warns once).

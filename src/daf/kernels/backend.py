@@ -89,16 +89,8 @@ class NativeBackend:
             return reference.encode_flat(x, bits, group_size, stochastic, seed)
         return payload, None, None
 
-    def decode_flat(
-        self,
-        payload: torch.Tensor,
-        numel: int,
-        bits: int,
-        group_size: int,
-        dtype: torch.dtype,
-        exc_index: torch.Tensor | None = None,
-        exc_value: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def decode_flat(self, payload: torch.Tensor, numel: int, bits: int, group_size: int, dtype: torch.dtype,
+                    exc_index: torch.Tensor | None = None, exc_value: torch.Tensor | None = None) -> torch.Tensor:
         """Unpack and dequantize format-1 rows straight into a new tensor (see ``reference.decode_flat``).
 
         payload uint8 [num_groups * row_bytes] -> dtype [numel]. O(numel), one pass.
