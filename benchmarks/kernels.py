@@ -5,7 +5,8 @@ flock /tmp/daf-cpu.lock python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256] 
 For each fp32 size and bit-width, medians after one warm-up run, all in the same run:
 - copy: ``y.copy_(x)`` into a preallocated tensor, GB/s of fp32 copied (the machine's bandwidth);
   clone: the same with a fresh output (allocation and first touch included, as a decode pays them);
-- native: DAF's C++ kernels, compress (stochastic and nearest) and decompress, GB/s of fp32;
+- native: DAF's C++ kernels, compress (stochastic and nearest) and decompress into a new tensor
+  (as backward gets it) and into a preallocated one ("into": the kernel without page faults);
 - naive: a plain-PyTorch per-group quantizer with ``torch.rand_like`` noise and the same bit
   packing (the quantizer of ActNN/GACT written the obvious way), compress and decompress;
 - reference: DAF's reference codec (plain PyTorch, counter-based noise), compress and decompress.
@@ -83,6 +84,10 @@ def bench_size(size_mb: int, with_reference: bool, with_naive: bool) -> dict:
         payload = backend.encode_flat(x, bits, GROUP, True, 1)[0]
         r["native_decompress_GBps"] = gbps(median_seconds(
             lambda: backend.decode_flat(payload, numel, bits, GROUP, torch.float32), repeats))
+        out = torch.empty(numel)
+        r["native_decompress_into_GBps"] = gbps(median_seconds(
+            lambda: backend.decode_flat(payload, numel, bits, GROUP, torch.float32, out=out), repeats))
+        del out
         few = min(repeats, 3)
         if with_naive:
             r["naive_compress_GBps"] = gbps(median_seconds(lambda: naive_compress(x, bits), few))
@@ -123,12 +128,13 @@ def print_row(row: dict) -> None:
     copy = row["copy_GBps"]
     print(f"\n{row['size_mb']} MB fp32 ({row['numel']:,} elements, median of {row['repeats']}): "
           f"copy {copy:.1f} GB/s, clone {row['clone_GBps']:.1f} GB/s")
-    print(f"{'bits':>4} | {'native SR':>9} {'native RN':>9} {'/copy':>6} {'decomp':>7} | {'naive':>6} {'decomp':>7}"
+    print(f"{'bits':>4} | {'native SR':>9} {'native RN':>9} {'/copy':>6} {'decomp':>7} {'into':>6} |"
+          f" {'naive':>6} {'decomp':>7}"
           f" {'speedup':>7} | {'ref':>6} {'decomp':>7} {'speedup':>7}   (GB/s of fp32)")
     for bits, r in row["bits"].items():
         native = r["native_compress_sr_GBps"]
         line = (f"{bits:>4} | {native:>9.2f} {r['native_compress_rn_GBps']:>9.2f} {native / copy:>6.2f}"
-                f" {r['native_decompress_GBps']:>7.2f} |")
+                f" {r['native_decompress_GBps']:>7.2f} {r['native_decompress_into_GBps']:>6.2f} |")
         if "naive_compress_GBps" in r:
             line += (f" {r['naive_compress_GBps']:>6.2f} {r['naive_decompress_GBps']:>7.2f}"
                      f" {native / r['naive_compress_GBps']:>6.1f}x |")

@@ -132,6 +132,18 @@ def test_bad_arguments_are_refused(native):
         native.decode_flat(payload[:-1], 100, 2, 16, torch.float32)
 
 
+def test_decode_into_a_given_tensor(native):
+    x = torch.randn(3, 1000)
+    payload = native.encode_flat(x.view(-1), 4, 256, True, 2)[0]
+    out = torch.empty(3, 1000)
+    assert native.decode_flat(payload, 3000, 4, 256, torch.float32, out=out) is out
+    assert torch.equal(out.view(-1), reference.decode_flat(payload, 3000, 4, 256, torch.float32))
+    with pytest.raises(ValueError, match="out must be a contiguous CPU torch.float32 tensor of 3000"):
+        native.decode_flat(payload, 3000, 4, 256, torch.float32, out=torch.empty(3000, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must be"):
+        native.decode_flat(payload, 3000, 4, 256, torch.float32, out=torch.empty(1000, 3).t())
+
+
 def test_empty_tensor(native):
     payload, _, _ = native.encode_flat(torch.empty(0), 2, 256, True, 0)
     assert payload.numel() == 0

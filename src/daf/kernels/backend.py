@@ -90,26 +90,34 @@ class NativeBackend:
         return payload, None, None
 
     def decode_flat(self, payload: torch.Tensor, numel: int, bits: int, group_size: int, dtype: torch.dtype,
-                    exc_index: torch.Tensor | None = None, exc_value: torch.Tensor | None = None) -> torch.Tensor:
-        """Unpack and dequantize format-1 rows straight into a new tensor (see ``reference.decode_flat``).
+                    exc_index: torch.Tensor | None = None, exc_value: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """Unpack and dequantize format-1 rows straight into a tensor (see ``reference.decode_flat``).
 
-        payload uint8 [num_groups * row_bytes] -> dtype [numel]. O(numel), one pass.
+        payload uint8 [num_groups * row_bytes] -> dtype [numel]. O(numel), one pass. ``out``
+        (contiguous, CPU, ``dtype``, ``numel`` elements) receives the values instead of a new
+        tensor: a fresh multi-MiB tensor costs page faults that can exceed the decoding itself.
         """
         if bits not in (1, 2, 4, 8):
             raise ValueError(f"bits must be one of (1, 2, 4, 8), got {bits}")
         if (dtype not in _DTYPE_CODES or payload.device.type != "cpu" or payload.dtype != torch.uint8
                 or group_size < 8 or group_size & (group_size - 1)):
-            return reference.decode_flat(payload, numel, bits, group_size, dtype, exc_index, exc_value)
+            values = reference.decode_flat(payload, numel, bits, group_size, dtype, exc_index, exc_value)
+            return values if out is None else out.view(-1).copy_(values).view_as(out)
         expected = payload_bytes(numel, bits, group_size)
         if payload.numel() != expected:
             raise ValueError(f"payload has {payload.numel()} bytes; {numel} elements at {bits} bits, "
                              f"group_size {group_size} need {expected}")
+        if out is None:
+            out = torch.empty(numel, dtype=dtype)
+        elif not (out.dtype == dtype and out.numel() == numel and out.is_contiguous() and out.device.type == "cpu"):
+            raise ValueError(f"out must be a contiguous CPU {dtype} tensor of {numel} elements, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()})")
         payload = payload.contiguous()
-        out = torch.empty(numel, dtype=dtype)
         if numel:
             self._ext.decode_into(payload.data_ptr(), numel, bits, group_size, _DTYPE_CODES[dtype], out.data_ptr())
         if exc_index is not None and exc_index.numel():
-            out[exc_index] = exc_value.to(dtype)
+            out.view(-1)[exc_index] = exc_value.to(dtype)
         return out
 
     def _strategy(self, x: torch.Tensor, bits: int, group_size: int, stochastic: bool, run) -> str:
