@@ -124,7 +124,9 @@ def _encode_rows(x: torch.Tensor, rows: torch.Tensor, bits: int, group_size: int
         empty = torch.isinf(low)
         low, high = torch.where(empty, 0.0, low), torch.where(empty, 0.0, high)
     levels = (1 << bits) - 1
-    lo = round_down_bf16(low)
+    # + 0.0 turns a -0.0 minimum into +0.0: which zero amin returns depends on its reduction
+    # order, and the bytes must not (format.md step 2).
+    lo = round_down_bf16(low + 0.0)
     step = torch.clamp(round_up_bf16((high - lo) / levels), min=MIN_STEP)
     inverse = 1.0 / step
     if exceptional is not None:

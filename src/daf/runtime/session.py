@@ -7,6 +7,8 @@ lives at module level. ``pack`` and ``unpack`` are the saved-tensor hooks.
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from daf.format import FLOAT_DTYPES
 from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
 from daf.report import Report, SiteRow
+from daf.runtime.background import BackgroundPacker
 from daf.runtime.sites import SiteTracker
 
 __all__ = ["Session"]
@@ -28,15 +31,19 @@ class _Saved:
     """What autograd holds instead of a tensor: a reference into the store.
 
     The same object is returned for every op that saves the same tensor, so the
-    record is released exactly once, when autograd drops the last of them.
+    record is released exactly once, when autograd drops the last of them. Under
+    background packing ``ref`` is None and ``pending`` holds the future and the
+    importance until the session puts the result into the store.
     """
 
-    __slots__ = ("store", "ref", "site", "__weakref__")
+    __slots__ = ("store", "ref", "site", "pending", "__weakref__")
 
-    def __init__(self, store: Store, ref: int, site: str) -> None:
-        self.store, self.ref, self.site = store, ref, site
+    def __init__(self, store: Store, ref: int | None, site: str, pending: tuple[Future, float] | None = None) -> None:
+        self.store, self.ref, self.site, self.pending = store, ref, site, pending
 
     def __del__(self) -> None:
+        if self.ref is None:
+            return
         try:
             self.store.release(self.ref)
         except Exception:  # interpreter shutdown: nothing left to free
@@ -60,6 +67,12 @@ class Session:
         self._shared: dict[tuple, tuple[weakref.ref, int, _Saved]] = {}
         self._parameter_storages: set[int] = set()
         self._parameters_referenced = 0
+        self.packer = BackgroundPacker(self.codec) if config.background else None
+        self._pending: list[tuple[_Saved, int]] = []  # background packs and their report row
+        # The last tensor unpacked, while its record lives: a tensor saved by two ops (a ReLU
+        # output is also the next conv's input) is usually unpacked twice in a row, and this
+        # decodes it once. Holds at most one decoded tensor, dropped with its record.
+        self._recent: tuple[weakref.ref, torch.Tensor] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def begin_forward(self, model: torch.nn.Module | None = None) -> None:
@@ -75,6 +88,7 @@ class Session:
         self.policy.on_forward_start(self.forwards)
 
     def end_forward(self) -> None:
+        self._collect_pending()
         self.forwards += 1
         self._shared.clear()
         self._last_rows = self._rows
@@ -101,18 +115,46 @@ class Session:
         if bits == 0:
             self._record(site, tensor, None, tensor.numel() * tensor.element_size(), "raw")
             return tensor
-        packed = self.codec.encode(tensor, bits, self._next_seed())
-        ref = self.store.put(packed, self.policy.importance(site, self._packs), site)
-        saved = _Saved(self.store, ref, site)
+        seed = self._next_seed()
+        importance = self.policy.importance(site, self._packs)
+        if self.packer is not None:
+            saved = _Saved(self.store, None, site, (self.packer.submit(tensor, bits, seed), importance))
+            self._pending.append((saved, len(self._rows)))
+            stored = 0  # filled in when the packed tensor is collected
+        else:
+            packed = self.codec.encode(tensor, bits, seed)
+            saved = _Saved(self.store, self.store.put(packed, importance, site), site)
+            stored = packed.nbytes
         self._shared[key] = (weakref.ref(tensor), tensor._version, saved)
         self.policy.watch(site, tensor, bits)
-        self._record(site, tensor, bits, packed.nbytes, "compressed")
+        self._record(site, tensor, bits, stored, "compressed")
         return saved
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
-        return self.codec.decode(self.store.get(saved.ref))
+        recent = self._recent
+        if recent is not None and recent[0]() is saved:
+            return recent[1]
+        if saved.ref is None:  # backward (or checkpointing) asked before the forward ended
+            self._collect_pending()
+        tensor = self.codec.decode(self.store.get(saved.ref))
+        self._recent = (weakref.ref(saved, self._forget_recent), tensor)
+        return tensor
+
+    def _forget_recent(self, dead: weakref.ref) -> None:
+        if self._recent is not None and self._recent[0] is dead:
+            self._recent = None
+
+    def _collect_pending(self) -> None:
+        """Wait for the background packs of this forward and put them into the store, in pack order."""
+        pending, self._pending = self._pending, []
+        for saved, row in pending:
+            future, importance = saved.pending
+            packed = future.result()
+            saved.ref, saved.pending = self.store.put(packed, importance, saved.site), None
+            if row < len(self._rows) and self._rows[row].site == saved.site:
+                self._rows[row] = replace(self._rows[row], stored_bytes=packed.nbytes)
 
     # -- helpers ---------------------------------------------------------------------------
     def _is_parameter(self, tensor: torch.Tensor) -> bool:
@@ -147,6 +189,10 @@ class Session:
         return Report(list(rows), self._parameters_referenced, sections)
 
     def close(self) -> None:
+        self._collect_pending()
+        if self.packer is not None:
+            self.packer.close()
+        self._recent = None
         self._shared.clear()
         self.store.close()
 

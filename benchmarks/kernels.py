@@ -1,0 +1,173 @@
+"""Compression kernels: native DAF against a naive plain-PyTorch quantizer, the reference codec and memcpy.
+
+flock /tmp/daf-cpu.lock python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256] [--large] [--json FILE]
+
+For each fp32 size and bit-width, medians after one warm-up run, all in the same run:
+- copy: ``y.copy_(x)`` into a preallocated tensor, GB/s of fp32 copied (the machine's bandwidth);
+  clone: the same with a fresh output (allocation and first touch included, as a decode pays them);
+- native: DAF's C++ kernels, compress (stochastic and nearest) and decompress into a new tensor
+  (as backward gets it) and into a preallocated one ("into": the kernel without page faults);
+- naive: a plain-PyTorch per-group quantizer with ``torch.rand_like`` noise and the same bit
+  packing (the quantizer of ActNN/GACT written the obvious way), compress and decompress;
+- reference: DAF's reference codec (plain PyTorch, counter-based noise), compress and decompress.
+Group size 256 (the strategy table: 2^16 and 2^20 too, where groups are few). GB/s count fp32 bytes in (compress) or out (decompress).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from daf.codec import reference
+from daf.kernels import native_backend, native_status
+from daf.kernels.backend import STRATEGIES
+
+GROUP = 256
+BITS = (1, 2, 4, 8)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _shifts(bits: int) -> torch.Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8)
+
+
+def naive_compress(x: torch.Tensor, bits: int, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ActNN/GACT's quantizer in plain PyTorch: min, scale, ``round(v + U - 0.5)``, then pack."""
+    g = x.view(-1, group)
+    mn = g.amin(dim=1, keepdim=True)
+    scale = (2**bits - 1) / (g.amax(dim=1, keepdim=True) - mn + 2e-6)
+    q = torch.clamp(torch.round((g - mn) * scale + torch.rand_like(g) - 0.5), 0, 2**bits - 1).to(torch.uint8)
+    if bits < 8:
+        parts = q.view(q.shape[0], -1, 8 // bits) << _shifts(bits)
+        q = parts.sum(dim=-1, dtype=torch.uint8)  # the shifted codes do not overlap: sum == or
+    return q, mn.to(torch.bfloat16), scale.to(torch.bfloat16)
+
+
+def naive_decompress(packed: torch.Tensor, mn: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    codes = packed
+    if bits < 8:
+        codes = ((packed.unsqueeze(-1) >> _shifts(bits)) & (2**bits - 1)).view(packed.shape[0], -1)
+    return (codes.float() / scale.float() + mn.float()).view(-1)
+
+
+def bench_size(size_mb: int, with_reference: bool, with_naive: bool) -> dict:
+    numel = size_mb * 2**18
+    repeats = max(3, min(11, 1024 // size_mb))
+    x = torch.randn(numel)
+    y = torch.empty_like(x)
+    backend = native_backend()
+    row: dict = {"size_mb": size_mb, "numel": numel, "repeats": repeats}
+    gbps = lambda seconds: numel * 4 / seconds / 1e9  # noqa: E731
+    row["copy_GBps"] = gbps(median_seconds(lambda: y.copy_(x), repeats))
+    row["clone_GBps"] = gbps(median_seconds(lambda: x.clone(), repeats))
+    del y
+    row["bits"] = {}
+    for bits in BITS:
+        r: dict = {}
+        r["native_compress_sr_GBps"] = gbps(median_seconds(lambda: backend.encode_flat(x, bits, GROUP, True, 1), repeats))
+        r["native_compress_rn_GBps"] = gbps(median_seconds(lambda: backend.encode_flat(x, bits, GROUP, False, 1), repeats))
+        payload = backend.encode_flat(x, bits, GROUP, True, 1)[0]
+        r["native_decompress_GBps"] = gbps(median_seconds(
+            lambda: backend.decode_flat(payload, numel, bits, GROUP, torch.float32), repeats))
+        out = torch.empty(numel)
+        r["native_decompress_into_GBps"] = gbps(median_seconds(
+            lambda: backend.decode_flat(payload, numel, bits, GROUP, torch.float32, out=out), repeats))
+        del out
+        few = min(repeats, 3)
+        if with_naive:
+            r["naive_compress_GBps"] = gbps(median_seconds(lambda: naive_compress(x, bits), few))
+            packed = naive_compress(x, bits)
+            r["naive_decompress_GBps"] = gbps(median_seconds(lambda: naive_decompress(*packed, bits), few))
+            del packed
+        if with_reference:
+            r["reference_compress_GBps"] = gbps(median_seconds(
+                lambda: reference.encode_flat(x, bits, GROUP, True, 1), few))
+            r["reference_decompress_GBps"] = gbps(median_seconds(
+                lambda: reference.decode_flat(payload, numel, bits, GROUP, torch.float32), few))
+        row["bits"][bits] = r
+    return row
+
+
+def bench_strategies(size_mb: int, group_sizes: tuple[int, ...], repeats: int = 7) -> list[dict]:
+    """The two reduction strategies, forced, at 2 bits (stochastic) for several group sizes."""
+    numel = size_mb * 2**18
+    x = torch.randn(numel)
+    backend = native_backend()
+    rows = []
+    for group in group_sizes:
+        seconds = {name: median_seconds(lambda: backend.encode_flat(x, 2, group, True, 1, strategy=name), repeats)
+                   for name in STRATEGIES}
+        rows.append({"size_mb": size_mb, "group_size": group, "groups": -(-numel // group),
+                     "GBps": {name: numel * 4 / t / 1e9 for name, t in seconds.items()}})
+    return rows
+
+
+def print_strategies(rows: list[dict]) -> None:
+    print(f"\nreduction strategies, 2 bits stochastic (GB/s of fp32): {' / '.join(STRATEGIES)}")
+    for r in rows:
+        speeds = " / ".join(f"{r['GBps'][name]:.2f}" for name in STRATEGIES)
+        print(f"  {r['size_mb']:>4} MB, group {r['group_size']:>8} ({r['groups']:>6} groups): {speeds}")
+
+
+def print_row(row: dict) -> None:
+    copy = row["copy_GBps"]
+    print(f"\n{row['size_mb']} MB fp32 ({row['numel']:,} elements, median of {row['repeats']}): "
+          f"copy {copy:.1f} GB/s, clone {row['clone_GBps']:.1f} GB/s")
+    print(f"{'bits':>4} | {'native SR':>9} {'native RN':>9} {'/copy':>6} {'decomp':>7} {'into':>6} |"
+          f" {'naive':>6} {'decomp':>7}"
+          f" {'speedup':>7} | {'ref':>6} {'decomp':>7} {'speedup':>7}   (GB/s of fp32)")
+    for bits, r in row["bits"].items():
+        native = r["native_compress_sr_GBps"]
+        line = (f"{bits:>4} | {native:>9.2f} {r['native_compress_rn_GBps']:>9.2f} {native / copy:>6.2f}"
+                f" {r['native_decompress_GBps']:>7.2f} {r['native_decompress_into_GBps']:>6.2f} |")
+        if "naive_compress_GBps" in r:
+            line += (f" {r['naive_compress_GBps']:>6.2f} {r['naive_decompress_GBps']:>7.2f}"
+                     f" {native / r['naive_compress_GBps']:>6.1f}x |")
+        if "reference_compress_GBps" in r:
+            line += (f" {r['reference_compress_GBps']:>6.2f} {r['reference_decompress_GBps']:>7.2f}"
+                     f" {native / r['reference_compress_GBps']:>6.1f}x")
+        print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--large", action="store_true", help="add 512 MB (about 2 GiB of RAM at peak)")
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--no-naive", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if native_backend() is None:
+        raise SystemExit(f"native kernels unavailable: {native_status()}")
+    sizes = args.sizes_mb + ([512] if args.large else [])
+    print(f"kernels: {native_status()}; {torch.get_num_threads()} threads; group {GROUP}; "
+          "SR = stochastic rounding (DAF's default), RN = nearest; speedup = native SR compress over the other")
+    rows = []
+    for size in sizes:
+        rows.append(bench_size(size, not args.no_reference, not args.no_naive))
+        print_row(rows[-1])
+    strategies = bench_strategies(4, (256, 2**16, 2**20)) + bench_strategies(64, (256, 2**16, 2**20))
+    print_strategies(strategies)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"group_size": GROUP, "threads": torch.get_num_threads(), "native_status": native_status(),
+                       "rows": rows, "strategies": strategies}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+// Python entry points of the native format-1 kernels.
+//
+// The functions take buffer addresses (tensor.data_ptr()) rather than tensors: that keeps
+// the build to pybind11 and the ATen vector headers (about 5 s instead of about 25 s with
+// torch/extension.h). daf/kernels/backend.py checks dtype, device, contiguity and sizes
+// before calling, and keeps the tensors alive across the call.
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels.h"
+
+namespace daf {
+namespace {
+
+enum DType : int64_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct EncodeOptions {
+  bool stochastic;
+  uint32_t seed32;
+  Strategy strategy;
+  bool serial;
+};
+
+template <typename T, int BITS>
+bool encode_typed(const void* x, uint8_t* payload, Layout layout, EncodeOptions o) {
+  const T* typed = static_cast<const T*>(x);
+  if (o.stochastic) return Encoder<T, BITS, true>(typed, payload, layout, o.seed32, o.serial).run(o.strategy);
+  return Encoder<T, BITS, false>(typed, payload, layout, o.seed32, o.serial).run(o.strategy);
+}
+
+template <typename T>
+bool encode_bits(const void* x, uint8_t* payload, Layout layout, EncodeOptions o) {
+  switch (layout.bits) {
+    case 1: return encode_typed<T, 1>(x, payload, layout, o);
+    case 2: return encode_typed<T, 2>(x, payload, layout, o);
+    case 4: return encode_typed<T, 4>(x, payload, layout, o);
+    case 8: return encode_typed<T, 8>(x, payload, layout, o);
+  }
+  throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(layout.bits));
+}
+
+template <typename T>
+void decode_bits(const uint8_t* payload, void* out, Layout layout) {
+  T* typed = static_cast<T*>(out);
+  switch (layout.bits) {
+    case 1: return decode<T, 1>(payload, typed, layout);
+    case 2: return decode<T, 2>(payload, typed, layout);
+    case 4: return decode<T, 4>(payload, typed, layout);
+    case 8: return decode<T, 8>(payload, typed, layout);
+  }
+  throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(layout.bits));
+}
+
+Layout checked_layout(int64_t numel, int64_t bits, int64_t group_size) {
+  if (numel < 0) throw std::invalid_argument("numel must be >= 0");
+  if (group_size < 8 || (group_size & (group_size - 1)) != 0) {
+    throw std::invalid_argument("group_size must be a power of two >= 8, got " + std::to_string(group_size));
+  }
+  return Layout{numel, group_size, bits};
+}
+
+// x: address of numel elements of dtype (0 float32, 1 float16, 2 bfloat16), contiguous;
+// payload: address of groups * row_bytes writable bytes. Returns false when an exceptional
+// value was met (the caller then encodes the tensor with the reference). serial: use the
+// calling thread only.
+bool encode(int64_t x, int64_t numel, int64_t dtype, int64_t payload, int64_t bits, int64_t group_size,
+            bool stochastic, int64_t seed32, int64_t strategy, bool serial) {
+  Layout layout = checked_layout(numel, bits, group_size);
+  if (strategy != kWholeGroups && strategy != kSplitRange) throw std::invalid_argument("unknown strategy");
+  const void* src = reinterpret_cast<const void*>(x);
+  uint8_t* dst = reinterpret_cast<uint8_t*>(payload);
+  const EncodeOptions o{stochastic, static_cast<uint32_t>(seed32), static_cast<Strategy>(strategy), serial};
+  switch (dtype) {
+    case kFloat32: return encode_bits<float>(src, dst, layout, o);
+    case kFloat16: return encode_bits<c10::Half>(src, dst, layout, o);
+    case kBFloat16: return encode_bits<c10::BFloat16>(src, dst, layout, o);
+  }
+  throw std::invalid_argument("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+}
+
+void decode_into(int64_t payload, int64_t numel, int64_t bits, int64_t group_size, int64_t dtype, int64_t out) {
+  Layout layout = checked_layout(numel, bits, group_size);
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(payload);
+  void* dst = reinterpret_cast<void*>(out);
+  switch (dtype) {
+    case kFloat32: return decode_bits<float>(src, dst, layout);
+    case kFloat16: return decode_bits<c10::Half>(src, dst, layout);
+    case kBFloat16: return decode_bits<c10::BFloat16>(src, dst, layout);
+  }
+  throw std::invalid_argument("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+}
+
+std::string build_info() {
+#if defined(CPU_CAPABILITY_AVX512)
+  const char* isa = "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  const char* isa = "avx2";
+#else
+  const char* isa = "portable";
+#endif
+  return std::string(isa) + ", " + std::to_string(Vec::size()) + " floats per vector";
+}
+
+}  // namespace
+}  // namespace daf
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "DAF format-1 encode/decode kernels (see docs/kernels.md)";
+  m.def("encode", &daf::encode, "quantize and pack into format-1 rows; False if exceptional values",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_into", &daf::decode_into, "unpack and dequantize format-1 rows into a buffer",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("build_info", &daf::build_info);
+}

@@ -1,0 +1,166 @@
+// The format-1 encode kernel (two reduction strategies) and decode kernel, on raw buffers.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <vector>
+
+#include "codes.h"
+
+namespace daf {
+
+// Elements handled as one unit: one float32 staging buffer (8 KiB) per thread for half types,
+// and the unit of work of the split strategy. A power of two, so blocks never straddle a group
+// boundary or a 2^32 element boundary (where the noise key changes).
+constexpr int64_t kBlock = 2048;
+// Below this many elements per thread, threads cost more than they save.
+constexpr int64_t kGrainElements = 16384;
+
+enum Strategy : int64_t { kWholeGroups = 0, kSplitRange = 1 };
+
+struct Layout {
+  int64_t numel, group_size, bits;
+  int64_t groups() const { return (numel + group_size - 1) / group_size; }
+  int64_t code_bytes() const { return group_size * bits / 8; }
+  int64_t row_bytes() const { return 4 + code_bytes(); }
+  int64_t group_length(int64_t g) const { return std::min(group_size, numel - g * group_size); }
+  int64_t grain(int64_t unit) const { return std::max<int64_t>(1, kGrainElements / unit); }
+};
+
+// at::parallel_for on torch's intra-op threads, or the calling thread alone (serial): a
+// background packer encodes on one thread while forward keeps torch's threads busy.
+template <typename F>
+void for_range(bool serial, int64_t end, int64_t grain, const F& f) {
+  if (serial) {
+    if (end > 0) f(0, end);
+  } else {
+    at::parallel_for(0, end, grain, f);
+  }
+}
+
+template <typename T, int BITS, bool STOCHASTIC>
+class Encoder {
+ public:
+  Encoder(const T* x, uint8_t* payload, Layout layout, uint32_t seed32, bool serial)
+      : x_(x), payload_(payload), layout_(layout), seed32_(seed32), serial_(serial) {}
+
+  // Returns false if some group holds an exceptional value (the payload is then incomplete).
+  bool run(Strategy strategy) { return strategy == kSplitRange ? split_range() : whole_groups(); }
+
+ private:
+  // Strategy A: each thread owns whole groups; one pass reads a group, finds its range and
+  // encodes it while it is still in cache. Best for many small groups.
+  bool whole_groups() {
+    std::atomic<bool> regular{true};
+    for_range(serial_, layout_.groups(), layout_.grain(layout_.group_size), [&](int64_t first, int64_t last) {
+      alignas(64) float buf[kBlock];
+      for (int64_t g = first; g < last; ++g) {
+        if (!encode_group(g, buf)) regular.store(false, std::memory_order_relaxed);
+      }
+    });
+    return regular.load();
+  }
+
+  bool encode_group(int64_t g, float* buf) {
+    const int64_t start = g * layout_.group_size, n = layout_.group_length(g);
+    uint8_t* row = payload_ + g * layout_.row_bytes();
+    if (n <= kBlock) {  // the whole group fits the staging buffer: convert once
+      const float* xf = as_float(x_ + start, n, buf);
+      Range r = min_max(xf, n);
+      if (!is_regular(r)) return false;
+      Scale s = scale_of(r, BITS);
+      write_meta(row, s);
+      encode_span<BITS, STOCHASTIC>(xf, n, s, start, noise_key(seed32_, start), row + 4);
+    } else {
+      Range r{INFINITY, -INFINITY};
+      for (int64_t b = 0; b < n; b += kBlock) {
+        const int64_t m = std::min(kBlock, n - b);
+        r = merge(r, min_max(as_float(x_ + start + b, m, buf), m));
+      }
+      if (!is_regular(r)) return false;
+      Scale s = scale_of(r, BITS);
+      write_meta(row, s);
+      for (int64_t b = 0; b < n; b += kBlock) {
+        const int64_t m = std::min(kBlock, n - b);
+        encode_span<BITS, STOCHASTIC>(as_float(x_ + start + b, m, buf), m, s, start + b,
+                                      noise_key(seed32_, start + b), row + 4 + b * BITS / 8);
+      }
+    }
+    zero_padding(row, n);
+    return true;
+  }
+
+  // Strategy B: threads split the element range into blocks regardless of groups; partial
+  // ranges of a group's blocks are merged, then a second parallel pass encodes the blocks.
+  // Keeps every thread busy when there are fewer groups than threads (per-channel or
+  // per-tensor ranges), at the price of reading the input twice.
+  bool split_range() {
+    const int64_t block = std::min(layout_.group_size, kBlock);
+    const int64_t blocks = (layout_.numel + block - 1) / block;
+    const int64_t per_group = layout_.group_size / block;
+    std::vector<Range> partial(blocks);
+    for_range(serial_, blocks, layout_.grain(block), [&](int64_t first, int64_t last) {
+      alignas(64) float buf[kBlock];
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t m = std::min(block, layout_.numel - b * block);
+        partial[b] = min_max(as_float(x_ + b * block, m, buf), m);
+      }
+    });
+    std::vector<Scale> scales(layout_.groups());
+    for (int64_t g = 0; g < layout_.groups(); ++g) {
+      Range r{INFINITY, -INFINITY};
+      for (int64_t b = g * per_group; b < std::min(blocks, (g + 1) * per_group); ++b) r = merge(r, partial[b]);
+      if (!is_regular(r)) return false;
+      scales[g] = scale_of(r, BITS);
+      write_meta(payload_ + g * layout_.row_bytes(), scales[g]);
+    }
+    for_range(serial_, blocks, layout_.grain(block), [&](int64_t first, int64_t last) {
+      alignas(64) float buf[kBlock];
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t start = b * block, m = std::min(block, layout_.numel - start);
+        const int64_t g = start / layout_.group_size, offset = start - g * layout_.group_size;
+        uint8_t* row = payload_ + g * layout_.row_bytes();
+        encode_span<BITS, STOCHASTIC>(as_float(x_ + start, m, buf), m, scales[g], start,
+                                      noise_key(seed32_, start), row + 4 + offset * BITS / 8);
+        if (start + m == layout_.numel) zero_padding(row, layout_.group_length(g));
+      }
+    });
+    return true;
+  }
+
+  // Codes of the padding of a short last group are 0: clear the bytes past its n elements.
+  void zero_padding(uint8_t* row, int64_t n) const {
+    const int64_t used = (n * BITS + 7) / 8;
+    if (used < layout_.code_bytes()) std::memset(row + 4 + used, 0, layout_.code_bytes() - used);
+  }
+
+  const T* x_;
+  uint8_t* payload_;
+  Layout layout_;
+  uint32_t seed32_;
+  bool serial_;
+};
+
+// Decode: blocks of min(group_size, kBlock) elements in parallel, each dequantized straight
+// into the output (through the staging buffer for half types).
+template <typename T, int BITS>
+void decode(const uint8_t* payload, T* out, Layout layout) {
+  const int64_t block = std::min(layout.group_size, kBlock);
+  const int64_t blocks = (layout.numel + block - 1) / block;
+  at::parallel_for(0, blocks, layout.grain(block), [&](int64_t first, int64_t last) {
+    alignas(64) float buf[kBlock];
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * block, m = std::min(block, layout.numel - start);
+      const int64_t g = start / layout.group_size, offset = start - g * layout.group_size;
+      const uint8_t* row = payload + g * layout.row_bytes();
+      float lo, step;
+      read_meta(row, lo, step);
+      float* dst = std::is_same_v<T, float> ? reinterpret_cast<float*>(out + start) : buf;
+      decode_span<BITS>(row + 4 + offset * BITS / 8, m, lo, step, dst);
+      if constexpr (!std::is_same_v<T, float>) from_float(buf, out + start, m);
+    }
+  });
+}
+
+}  // namespace daf
