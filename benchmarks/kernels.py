@@ -1,6 +1,6 @@
 """Compression kernels: native DAF against a naive plain-PyTorch quantizer, the reference codec and memcpy.
 
-flock /tmp/daf-cpu.lock python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256] [--large] [--json FILE]
+flock /tmp/daf-cpu.lock python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256] [--large] [--resnet] [--json FILE]
 
 For each fp32 size and bit-width, medians after one warm-up run, all in the same run:
 - copy: ``y.copy_(x)`` into a preallocated tensor, GB/s of fp32 copied (the machine's bandwidth);
@@ -11,6 +11,8 @@ For each fp32 size and bit-width, medians after one warm-up run, all in the same
   packing (the quantizer of ActNN/GACT written the obvious way), compress and decompress;
 - reference: DAF's reference codec (plain PyTorch, counter-based noise), compress and decompress.
 Group size 256 (the strategy table: 2^16 and 2^20 too, where groups are few). GB/s count fp32 bytes in (compress) or out (decompress).
+``--resnet`` adds, in the same run, the ResNet-18 training step (batch 64, 2 bits) for fp32, the
+reference codec and the native kernels (``benchmarks/resnet_step.py``, interleaved medians).
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ def main() -> None:
     parser.add_argument("--large", action="store_true", help="add 512 MB (about 2 GiB of RAM at peak)")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--no-naive", action="store_true")
+    parser.add_argument("--resnet", action="store_true", help="add the ResNet-18 step: fp32, reference, native")
     parser.add_argument("--json")
     args = parser.parse_args()
     if native_backend() is None:
@@ -163,10 +166,16 @@ def main() -> None:
         print_row(rows[-1])
     strategies = bench_strategies(4, (256, 2**16, 2**20)) + bench_strategies(64, (256, 2**16, 2**20))
     print_strategies(strategies)
+    figures = {"group_size": GROUP, "threads": torch.get_num_threads(), "native_status": native_status(),
+               "rows": rows, "strategies": strategies}
+    if args.resnet:
+        import resnet_step  # the sibling script: python puts benchmarks/ on the path
+
+        figures["resnet_step"] = resnet_step.run(["fp32", "native", "reference"], bits=2, batch=64, steps=7)
+        resnet_step.print_result(figures["resnet_step"])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"group_size": GROUP, "threads": torch.get_num_threads(), "native_status": native_status(),
-                       "rows": rows, "strategies": strategies}, f, indent=1)
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,14 @@ def run(variants: list[str], bits: int = 2, batch: int = 64, steps: int = 7, war
             "vs_fp32": {v: medians[v] / medians["fp32"] for v in variants}}
 
 
+def print_result(result: dict) -> None:
+    print(f"\nResNet-18 CIFAR, batch {result['batch']}, {result['bits']} bits, {result['threads']} threads, "
+          f"median of {result['steps']} steps after {result['warmup']} warm-up; kernels: {result['native_status']}")
+    print(f"{'variant':<20}{'step ms':>10}{'vs fp32':>10}")
+    for variant, seconds in result["median_s"].items():
+        print(f"{variant:<20}{seconds * 1e3:>10.1f}{result['vs_fp32'][variant]:>10.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -73,11 +81,7 @@ def main() -> None:
     if args.background:
         variants.append("native+background")
     result = run(variants, args.bits, args.batch, args.steps, args.warmup)
-    print(f"ResNet-18 CIFAR, batch {args.batch}, {args.bits} bits, {result['threads']} threads, "
-          f"median of {args.steps} steps after {args.warmup} warm-up; kernels: {result['native_status']}")
-    print(f"{'variant':<20}{'step ms':>10}{'vs fp32':>10}")
-    for variant in variants:
-        print(f"{variant:<20}{result['median_s'][variant] * 1e3:>10.1f}{result['vs_fp32'][variant]:>10.3f}")
+    print_result(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
