@@ -127,7 +127,9 @@ def _encode_rows(x: torch.Tensor, rows: torch.Tensor, bits: int, group_size: int
     # + 0.0 turns a -0.0 minimum into +0.0: which zero amin returns depends on its reduction
     # order, and the bytes must not (format.md step 2).
     lo = round_down_bf16(low + 0.0)
-    step = torch.clamp(round_up_bf16((high - lo) / levels), min=MIN_STEP)
+    # Divide by a tensor, not a Python number: CUDA turns division by a scalar into a
+    # multiplication by its reciprocal, which rounds differently and changed bytes on the GPU.
+    step = torch.clamp(round_up_bf16((high - lo) / torch.full_like(lo, levels)), min=MIN_STEP)
     inverse = 1.0 / step
     if exceptional is not None:
         # Exceptional elements encode as code 0; their true values go to the side table.
