@@ -1,0 +1,156 @@
+"""The adaptive bit policy: bits per site from measured importance, re-planned every N steps.
+
+Forward 0 runs every site at the most bits the average allows among {1, 2, 4, 8}
+(``floor`` to an allowed width: 2 for an average of 2.0 or 2.5, 1 for 1.5) while the
+importance estimator watches; the first plan is made at forward 1, from what forward
+and backward 0 measured, and a new one every ``replan_every`` forwards. Between plans
+the estimator only watches the ``window`` forwards before the next plan, so steady
+state costs nothing but the dictionary look-up of ``bits_for``.
+
+Budget: over the sites the plan covers (the tensors quantized by the codec), the
+size-weighted mean of the bits is at most ``Config.bits``, sizes counted in whole
+groups (what the payload holds). A site may be kept raw: it then counts at its
+dtype's bits (32 for float32), honestly, and only where it fits the budget. Exact
+1-bit masks (ReLU outputs, dropout masks) are stored alike by every policy and are
+outside the average; the report lists them as their own rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from daf.config import ALLOWED_BITS
+from daf.policy.allocator import RAW_BITS, Plan, Site, allocate
+from daf.policy.importance import ImportanceEstimator
+from daf.policy.uniform import Policy
+from daf.runtime.ops import OpCall
+
+__all__ = ["AdaptivePolicy"]
+
+
+class AdaptivePolicy(Policy):
+    """Bits per site minimizing the estimated gradient variance at an average of ``average`` bits.
+
+    ``bits_for`` is O(1); a re-plan costs O(sites * 5 * cells) (``daf.policy.allocator``).
+    """
+
+    needs_ops = True
+
+    def __init__(self, average: float, group_size: int = 256, replan_every: int = 50,
+                 choices: tuple[int, ...] = ALLOWED_BITS, allow_raw: bool = True, window: int = 4,
+                 smoothing: float = 0.7) -> None:
+        if not 1 <= average <= 8:
+            raise ValueError(f"average must be in [1, 8] bits, got {average}")
+        if replan_every < 1:
+            raise ValueError(f"replan_every must be >= 1, got {replan_every}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.average = float(average)
+        self.group_size = group_size
+        self.replan_every = replan_every
+        self.choices = tuple(sorted(choices))
+        self.allow_raw = allow_raw
+        self.window = window
+        self.default_bits = max(b for b in self.choices if b <= self.average)
+        self.estimator = ImportanceEstimator(group_size, self.choices, smoothing)
+        self.plan: Plan | None = None
+        self.plans = 0
+        self._step = 0
+        self._watching = True
+        self._importance: dict[str, float] = {}
+
+    # -- the Policy interface ----------------------------------------------------------------
+    def on_forward_start(self, step: int) -> None:
+        self._step = step
+        self.estimator.begin_step()
+        if step >= 1 and (self.plan is None or step % self.replan_every == 0):
+            self.replan()
+        until_next = self.replan_every - step % self.replan_every
+        self._watching = self.plan is None or until_next <= self.window
+
+    def bits_for(self, site: str, x: torch.Tensor) -> int:
+        if self.plan is None:
+            return self.default_bits
+        bits = self.plan.bits.get(site)
+        if bits is None:
+            return self.default_bits
+        return 0 if bits > max(self.choices) else bits
+
+    def watch(self, site: str, x: torch.Tensor, bits: int) -> None:
+        if self._watching:
+            self.estimator.observe_tensor(site, x)
+
+    def watch_op(self, call: OpCall) -> None:
+        if self._watching:
+            self.estimator.observe_call(call)
+
+    def importance(self, site: str, order: int) -> float:
+        """The marginal cost of demoting the site: estimated variance added per element-bit saved.
+
+        The allocator trades on the same slope, so the page pool demotes and spills first
+        the records whose bits the plan would also have cut first. Sites without an
+        estimate rank by pack order, below every estimated one.
+        """
+        value = self._importance.get(site)
+        return float(order) * 1e-30 if value is None else value
+
+    def summary(self) -> dict[str, Any]:
+        figures: dict[str, Any] = {"policy": "adaptive", "average_bits": self.average, "plans": self.plans,
+                                   "replan_every": self.replan_every}
+        if self.plan is None:
+            figures["bits"] = f"{self.default_bits} everywhere until the first plan"
+            return figures
+        counts: dict[str, int] = {}
+        for b in self.plan.bits.values():
+            key = "raw" if b > max(self.choices) else f"{b}bit"
+            counts[key] = counts.get(key, 0) + 1
+        figures.update(mean_bits=round(self.plan.mean_bits, 4), estimated_variance=self.plan.cost,
+                       exact=self.plan.exact, sites=counts, plan=dict(self.plan.bits))
+        return figures
+
+    def close(self) -> None:
+        self.estimator.close()
+
+    # -- planning ----------------------------------------------------------------------------
+    def replan(self) -> Plan | None:
+        """Solve the allocation from the current estimates; sites without one keep the default bits."""
+        sites = []
+        fixed_size = fixed_bits = 0
+        for name, stats in self.estimator.sites.items():
+            size = -(-stats.numel // self.group_size) * self.group_size
+            costs = self.estimator.costs(name)
+            if size == 0:
+                continue
+            if costs is None:
+                fixed_size += size
+                fixed_bits += size * self.default_bits
+                continue
+            if self.allow_raw:
+                costs[stats.dtype_bits if stats.dtype_bits > max(self.choices) else RAW_BITS] = 0.0
+            sites.append(Site(name, size, costs))
+        if not sites:
+            return None
+        total = sum(s.size for s in sites) + fixed_size
+        # sites without an estimate keep the default bits; the rest share what is left
+        average = (self.average * total - fixed_bits) / (total - fixed_size)
+        plan = allocate(sites, max(average, min(self.choices)))
+        self.plan = plan
+        self.plans += 1
+        self._importance = _slopes(sites, plan)
+        return plan
+
+
+def _slopes(sites: list[Site], plan: Plan) -> dict[str, float]:
+    """Per site: variance added per element-bit saved by going to its next fewer bits (inf at the fewest)."""
+    out = {}
+    for s in sites:
+        bits = plan.bits[s.name]
+        lower = [b for b in s.costs if b < bits]
+        if not lower:
+            out[s.name] = float("inf")
+            continue
+        b = max(lower)
+        out[s.name] = (s.costs[b] - s.costs[bits]) / (s.size * (bits - b))
+    return out
