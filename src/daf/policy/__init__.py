@@ -12,7 +12,7 @@ def make_policy(config: Config) -> Policy:
     """The policy ``config.policy`` names: "uniform" (``config.bits`` everywhere) or "adaptive".
 
     >>> make_policy(Config(policy="adaptive", bits=1.5)).default_bits
-    1
+    2
     """
     if config.policy == "uniform":
         return UniformPolicy(int(config.bits))

@@ -1,8 +1,9 @@
 """The adaptive bit policy: bits per site from measured importance, re-planned every N steps.
 
-Forward 0 runs every site at the most bits the average allows among {1, 2, 4, 8}
-(``floor`` to an allowed width: 2 for an average of 2.0 or 2.5, 1 for 1.5) while the
-importance estimator watches; the first plan is made at forward 1, from what forward
+Forward 0 runs every site at the allowed width nearest the average (ties up: 2 for an
+average of 1.5, 2.0 or 2.5) while the importance estimator watches: for that one step an
+average below 2 is exceeded, because 1 bit everywhere wrecks the gradient (MiniLM's
+relative gradient error was ~1e8). The first plan is made at forward 1, from what forward
 and backward 0 measured, and a new one every ``replan_every`` forwards. Between plans
 the estimator only watches the ``window`` forwards before the next plan, so steady
 state costs nothing but the dictionary look-up of ``bits_for``.
@@ -53,7 +54,8 @@ class AdaptivePolicy(Policy):
         self.choices = tuple(sorted(choices))
         self.allow_raw = allow_raw
         self.window = window
-        self.default_bits = max(b for b in self.choices if b <= self.average)
+        # nearest allowed width (ties up): a first step at 1 bit everywhere wrecks the gradient
+        self.default_bits = min(self.choices, key=lambda b: (abs(b - self.average), -b))
         self.estimator = ImportanceEstimator(group_size, self.choices, smoothing)
         self.plan: Plan | None = None
         self.plans = 0

@@ -45,8 +45,9 @@ import torch
 
 from daf.runtime.ops import OpCall
 
-__all__ = ["rounding_variance", "ImportanceEstimator", "SiteStats", "MATMUL_FUNCTIONS"]
+__all__ = ["rounding_variance", "ImportanceEstimator", "SiteStats", "MATMUL_FUNCTIONS", "COMPOUNDING"]
 
+COMPOUNDING = 100.0
 _SMALL_PARAM = 1 << 16  # parameters up to this many elements keep their last gradient (BatchNorm's gamma)
 MATMUL_FUNCTIONS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul", "__matmul__", "__rmatmul__",
                               "bmm", "mm", "addmm", "baddbmm"})
@@ -96,6 +97,9 @@ class SiteStats:
     data_var: float = 0.0
     weight: float | None = None  # smoothed
     steps: int = 0  # steps whose weight was measured
+    # some consumer turns the error into an error of an activation gradient, which backward carries on
+    # through every layer below: at 1 bit that noise is as large as the signal and compounds
+    propagates: bool = False
 
 
 class ImportanceEstimator:
@@ -116,6 +120,7 @@ class ImportanceEstimator:
         self.max_groups = max_groups
         self.sites: dict[str, SiteStats] = {}
         self._calls = 0  # op calls observed in this forward
+        self._input_var: dict[int, float] = {}  # output data_ptr -> Var(input) of a product with a parameter
         self._param_norm: dict[int, float] = {}  # id(param) -> ||grad||^2 of its last backward
         self._param_grad: dict[int, torch.Tensor] = {}  # id(param) -> its last gradient, for small ones
         self._param_handles: dict[int, Any] = {}
@@ -126,6 +131,7 @@ class ImportanceEstimator:
         """Fold the last step's measurements (its backward has run) and start a new step."""
         self.fold()
         self._calls = 0
+        self._input_var.clear()
 
     def observe_tensor(self, site: str, x: torch.Tensor) -> None:
         """Measure ``V(b)`` and ``Var(x)`` of a tensor stored at ``site``. O(sample)."""
@@ -142,8 +148,6 @@ class ImportanceEstimator:
         order, self._calls = self._calls, self._calls + 1
         output = _first_tensor(call.output)
         for site, x in call.saves:
-            if site not in self.sites:
-                continue
             use: dict[str, Any] = {"order": order}
             matmul = _matmul_role(call, x)
             if matmul is not None:
@@ -151,17 +155,27 @@ class ImportanceEstimator:
                 if other is None or not other.requires_grad or output is None or not output.requires_grad:
                     continue  # nothing downstream of this use depends on x
                 use.update(fan=fan, direct=_is_param(other), mean_square=_mean_square(x))
+                if use["direct"]:
+                    self._input_var[output.data_ptr()] = _variance(x)
+                if site not in self.sites:  # kept raw (the input batch): only its noise power counts
+                    if use["direct"]:
+                        _hook_norm(output, use, "dy")
+                        self._uses.append((site, "power", use))
+                    continue
                 if not use["direct"]:
                     _hook_norm(other, use, "other")
                 _hook_norm(output, use, "dy")
                 self._uses.append((site, "matmul", use))
+            elif site not in self.sites:
+                continue
             elif call.name == "batch_norm" and _bn_weight(call) is not None and x.dim() >= 2 \
                     and output is not None and output.requires_grad and x.requires_grad:
                 weight = _bn_weight(call)
                 self._hook_param(weight)
                 channels = x.transpose(0, 1).reshape(x.shape[1], -1).detach().float()
                 use.update(gamma=weight.detach().float().reshape(-1).clone(), weight_id=id(weight),
-                           count=channels.shape[1], invstd=(channels.var(dim=1, unbiased=False) + 1e-5).rsqrt())
+                           count=channels.shape[1], invstd=(channels.var(dim=1, unbiased=False) + 1e-5).rsqrt(),
+                           input_var=self._input_var.get(x.data_ptr()))
                 _hook_channel_norms(output, use, "dy_channel")
                 _hook_norm(x, use, "gx")
                 self._uses.append((site, "batch_norm", use))
@@ -178,7 +192,7 @@ class ImportanceEstimator:
         # upstream product with a parameter turns an error d in its output gradient into
         # ||d||**2 * fan * E[input**2] of weight-gradient error; in units of the gradient there.
         powers = sorted((use["order"], use["dy"] * use["fan"] * use["mean_square"])
-                        for _, kind, use in self._uses if kind == "matmul" and use["direct"] and "dy" in use)
+                        for _, kind, use in self._uses if kind in ("matmul", "power") and use["direct"] and "dy" in use)
         orders = [o for o, _ in powers]
         prefix = [0.0]
         for _, power in powers:
@@ -186,6 +200,8 @@ class ImportanceEstimator:
         step: dict[str, float] = {}
         for site, kind, use in self._uses:
             up = prefix[bisect.bisect_left(orders, use["order"])]
+            if kind == "power":
+                continue
             if kind == "matmul":
                 if "dy" not in use:
                     continue  # backward did not reach this op
@@ -205,6 +221,8 @@ class ImportanceEstimator:
                 if use["affine"]:
                     w += use.get("dy", 0.0) / stats.data_var
             step[site] = step.get(site, 0.0) + w
+            if kind != "matmul" or not use["direct"]:
+                self.sites[site].propagates = True
         self._uses = []
         for site, w in step.items():
             stats = self.sites[site]
@@ -213,11 +231,20 @@ class ImportanceEstimator:
             stats.steps += 1
 
     def costs(self, site: str) -> dict[int, float] | None:
-        """{bits: estimated added gradient variance} for a site with a measured weight, else None."""
+        """{bits: estimated added gradient variance} for a site with a measured weight, else None.
+
+        For a site whose error propagates through backward (``SiteStats.propagates``) the
+        1-bit cost is multiplied by ``COMPOUNDING``: the additive model holds only while each
+        site's relative error is small, and 1-bit errors in activation gradients multiply
+        layer after layer (MiniLM at 1 bit everywhere: relative gradient error ~1e8).
+        """
         stats = self.sites.get(site)
         if stats is None or stats.weight is None or stats.variance is None:
             return None
-        return {b: float(stats.weight * v) for b, v in zip(self.choices, stats.variance)}
+        costs = {b: float(stats.weight * v) for b, v in zip(self.choices, stats.variance)}
+        if stats.propagates and 1 in costs:
+            costs[1] *= COMPOUNDING
+        return costs
 
     def close(self) -> None:
         """Remove the parameter hooks."""
@@ -239,6 +266,13 @@ class ImportanceEstimator:
                 grads[key] = grad.detach().float().reshape(-1).clone()
 
         self._param_handles[key] = p.register_hook(hook)
+
+
+def _variance(x: torch.Tensor, sample: int = 1 << 14) -> float:
+    """Variance of ``x`` over at most ``sample`` evenly strided elements. O(sample)."""
+    flat = x.detach().reshape(-1)
+    step = max(1, flat.numel() // sample)
+    return float(flat[::step].float().var()) if flat.numel() > 1 else 0.0
 
 
 def _mean_square(x: torch.Tensor, sample: int = 1 << 14) -> float:
@@ -263,6 +297,11 @@ def _batch_norm_weight(use: dict[str, Any], upstream: float, grad_gamma: torch.T
     ``V * g**2 * s**4 * (M * m**2 + ||dy_c||**2 / M)`` summed over the ``M`` elements. That
     error reaches the parameters upstream like ``dx`` does (``upstream / ||dx||**2``);
     ``grad_gamma`` itself moves by ``V * s**2 * ||dy_c||**2``.
+
+    The second part, ``xh * mean(dy * e)``, is one random number per channel times ``xh``,
+    and ``xh`` is made from the producing convolution's input: in that convolution's weight
+    gradient it adds up coherently over the ``M`` positions, to about
+    ``V * g**2 * s**4 * ||dy_c||**2 * Var(conv input)`` per channel (white inputs).
     """
     if grad_gamma is None or "dy_channel" not in use or use.get("gx", 0.0) <= 0:
         return None
@@ -272,7 +311,10 @@ def _batch_norm_weight(use: dict[str, Any], upstream: float, grad_gamma: torch.T
     m = grad_gamma / count
     injected = float((gamma.square() * invstd.pow(4) * (count * m.square() + dy_c / count)).sum())
     direct = float((invstd.square() * dy_c).sum())
-    return injected * upstream / use["gx"] + direct
+    coherent = 0.0
+    if use.get("input_var") is not None:
+        coherent = float((gamma.square() * invstd.pow(4) * dy_c).sum()) * use["input_var"]
+    return injected * upstream / use["gx"] + direct + coherent
 
 
 def _hook_channel_norms(t: torch.Tensor, into: dict[str, Any], key: str) -> None:

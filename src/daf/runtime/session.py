@@ -118,6 +118,8 @@ class Session:
             if values is not None:
                 return self._put_mask(site, tensor, encode_mask(tensor, values), shareable=True)
             self._record(site, tensor, None, tensor.numel() * tensor.element_size(), "raw")
+            if call is not None and tensor.dtype.is_floating_point:
+                call.saves.append((site, tensor))  # the policy may weigh what backward computes from it
             return tensor
         key = self._key(tensor)
         hit = self._shared.get(key)
