@@ -140,19 +140,26 @@ class AdaptivePolicy(Policy):
         plan = allocate(sites, max(average, min(self.choices)))
         self.plan = plan
         self.plans += 1
-        self._importance = _slopes(sites, plan)
+        self._importance = _slopes(sites, plan, max(self.choices))
         return plan
 
 
-def _slopes(sites: list[Site], plan: Plan) -> dict[str, float]:
-    """Per site: variance added per element-bit saved by going to its next fewer bits (inf at the fewest)."""
+def _slopes(sites: list[Site], plan: Plan, widest: int) -> dict[str, float]:
+    """Per site: the variance its bits buy per element-bit at its place in the plan.
+
+    The slope to its next fewer bits; at the fewest, the slope to the next more bits (what
+    the plan declined to buy); kept raw: infinite (raw tensors never enter the store anyway).
+    """
     out = {}
     for s in sites:
         bits = plan.bits[s.name]
-        lower = [b for b in s.costs if b < bits]
-        if not lower:
+        if bits > widest:
             out[s.name] = float("inf")
             continue
-        b = max(lower)
-        out[s.name] = (s.costs[b] - s.costs[bits]) / (s.size * (bits - b))
+        lower = [b for b in s.costs if b < bits]
+        other = max(lower) if lower else min((b for b in s.costs if b > bits), default=None)
+        if other is None:
+            out[s.name] = 0.0
+            continue
+        out[s.name] = abs(s.costs[other] - s.costs[bits]) / (s.size * abs(bits - other))
     return out

@@ -13,9 +13,9 @@ so the size-weighted mean of the chosen bits never exceeds ``average``.
 counted in units of ``u`` element-bits: ``u`` is the greatest common divisor of
 every weight above the cheapest choice when that leaves at most ``max_cells``
 DP cells (then the answer is exactly optimal), else the smallest unit that
-does (weights rounded up, the budget rounded down: always within budget,
-optimal for the rounded problem, and at most one unit of budget per site
-away from the exact one). Cost: O(n * k * cells) time, O(n * cells) bytes,
+does (weights rounded up, the budget rounded down: always within budget and
+optimal for the rounded problem; the budget the rounding left over is then
+spent greedily, best cost decrease per element-bit first). Cost: O(n * k * cells) time, O(n * cells) bytes,
 with ``n`` sites, ``k`` choices each and ``cells <= max_cells``.
 
 >>> plan = allocate([Site("a", 1000, variance_costs(9.0)), Site("b", 1000, variance_costs(1.0))], 2.0)
@@ -158,7 +158,28 @@ def allocate(sites: list[Site], average: float, max_cells: int = _MAX_CELLS) -> 
         k = int(choice[i, c])
         chosen[i] = options[i][k]
         c -= -(-extra[i][k] // unit)
+    if not exact:
+        _fill(sites, chosen, capacity)
     return _plan(sites, chosen, average, exact, unit)
+
+
+def _fill(sites: list[Site], chosen: list[int], capacity: int) -> None:
+    """Spend the budget that rounding to coarse units left over: repeatedly take the upgrade with
+    the largest cost decrease per element-bit that still fits. O(upgrades * n * k)."""
+    left = capacity - sum(s.size * b for s, b in zip(sites, chosen))
+    while True:
+        best = None
+        for i, s in enumerate(sites):
+            now = chosen[i]
+            for b, cost in s.costs.items():
+                extra = s.size * (b - now)
+                gain = s.costs[now] - cost
+                if b > now and extra <= left and gain > 0 and (best is None or gain / extra > best[0]):
+                    best = (gain / extra, i, b, extra)
+        if best is None:
+            return
+        _, i, b, extra = best
+        chosen[i], left = b, left - extra
 
 
 def _plan(sites: list[Site], chosen: list[int], average: float, exact: bool, unit: int) -> Plan:
