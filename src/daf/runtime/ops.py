@@ -57,22 +57,35 @@ class OpCall:
 
 
 class OpTracker(TorchFunctionMode):
-    """Keeps the current top-level call; ``on_done(call)`` runs after each call that saved something."""
+    """Keeps the current top-level call; ``on_done(call)`` runs after each call that saved something.
+
+    The ``OpCall`` is made only when the pack hook asks for it (``current``), so calls that save
+    nothing (views, shape queries) cost a few attribute stores.
+    """
 
     def __init__(self, on_done: Callable[[OpCall], None]) -> None:
         super().__init__()
-        self.current: OpCall | None = None
+        self._frame: tuple | None = None
+        self._call: OpCall | None = None
         self._on_done = on_done
+
+    @property
+    def current(self) -> OpCall | None:
+        """The call running now (made on first use), or None outside any call."""
+        if self._call is None and self._frame is not None:
+            self._call = OpCall(*self._frame)
+        return self._call
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        outer, self.current = self.current, OpCall(func, args, kwargs)
-        call = self.current
+        outer = (self._frame, self._call)
+        self._frame, self._call = (func, args, kwargs), None
         try:
             output = func(*args, **kwargs)
+            call = self._call
         finally:
-            self.current = outer
-        if call.saves:
+            self._frame, self._call = outer
+        if call is not None and call.saves:
             call.output = output
             self._on_done(call)
         return output
