@@ -97,3 +97,16 @@ def test_training_with_division_matches_fp32_roughly():
     daf.wrap(model, codec="division", bits=8, min_numel=1)
     assert cosine(reference, gradients(model, x, y)) > 0.999
     assert daf.report(model).sections["codec"]["codec"].startswith("division/")
+
+
+def test_attention_probabilities_stay_minmax():
+    codec = _codec()
+    p = torch.softmax(torch.randn(2, 4, 16, 16), -1)
+    assert not isinstance(codec.encode(p, 2, 0, consumer="softmax"), DivisionPacked)
+    assert isinstance(codec.encode(p, 2, 0, consumer="conv2d"), DivisionPacked)
+    x = torch.randn(2, 4, 16, 16, requires_grad=True)
+    with daf.compress(codec="division", min_numel=1, backend="reference") as session:
+        y = torch.softmax(x, -1) @ x  # softmax saves its 4-D output
+    rows = [r for r in daf.report(session).rows if r.kind == "compressed" and "Softmax" in r.source]
+    assert [r.stored_bytes for r in rows] == [payload_bytes(2048, 2, 256)]  # no low-frequency part
+    y.sum().backward()

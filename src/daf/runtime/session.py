@@ -76,7 +76,8 @@ class Session:
         # decodes it once. Holds at most one decoded tensor, dropped with its record.
         self._recent: tuple[weakref.ref, torch.Tensor] | None = None
         # Which torch function is running (ReLU masks, and the consumers the adaptive policy weighs).
-        self._track_ops = config.masks or getattr(self.policy, "needs_ops", False)
+        self._track_ops = (config.masks or getattr(self.policy, "needs_ops", False)
+                           or getattr(self.codec, "takes_consumer", False))
         self._trackers: list[OpTracker] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -142,7 +143,10 @@ class Session:
             self._pending.append((saved, len(self._rows)))
             stored = 0  # filled in when the packed tensor is collected
         else:
-            packed = self.codec.encode(tensor, bits, seed)
+            if call is not None and getattr(self.codec, "takes_consumer", False):
+                packed = self.codec.encode(tensor, bits, seed, consumer=call.name)
+            else:
+                packed = self.codec.encode(tensor, bits, seed)
             saved = _Saved(self.store, self.store.put(packed, importance, site), site)
             stored = packed.nbytes
         self._shared[key] = (weakref.ref(tensor), tensor._version, saved)
