@@ -83,7 +83,7 @@ def rounding_variance(x: torch.Tensor, group_size: int, choices: tuple[int, ...]
         step = span / ((1 << bits) - 1)
         scaled = torch.where(step > 0, (sample - low) / torch.where(step > 0, step, 1.0), 0.0)
         frac = scaled - scaled.floor()
-        out[k] = (step.square() * frac * (1 - frac)).mean()
+        out[k] = float((step.square() * frac * (1 - frac)).mean())
     return out, float(sample.var()) if sample.numel() > 1 else 0.0
 
 
