@@ -39,6 +39,11 @@ POLICIES: dict[str, dict] = {
     "adaptive-1.5": dict(policy="adaptive", bits=1.5),
     "division-2": dict(policy="uniform", bits=2, codec="division"),
 }
+# not run by default; name them in --policies
+EXTRA: dict[str, dict] = {
+    "uniform-2-nomasks": dict(policy="uniform", bits=2, masks=False),
+    "uniform-4": dict(policy="uniform", bits=4),
+}
 
 
 @dataclass
@@ -194,7 +199,8 @@ def main() -> None:
     parser.add_argument("--workload", choices=("resnet", "minilm", "both"), default="both")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--replan-every", type=int, default=10)
-    parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {list(POLICIES)}")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help=f"comma-separated, from {list(POLICIES) + list(EXTRA)}")
     parser.add_argument("--resnet-batch", type=int, default=64)
     parser.add_argument("--resnet-width", type=int, default=32)
     parser.add_argument("--minilm-batch", type=int, default=32)
@@ -202,7 +208,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args()
-    chosen = {name: POLICIES[name] for name in args.policies.split(",")}
+    known = {**POLICIES, **EXTRA}
+    unknown = [name for name in args.policies.split(",") if name not in known]
+    if unknown:
+        parser.error(f"unknown policies {unknown}; choose from {list(known)}")
+    chosen = {name: known[name] for name in args.policies.split(",")}
     results = []
     if args.workload in ("resnet", "both"):
         results.append(run(resnet_workload(args.resnet_batch, args.resnet_width, args.seed), args.steps, chosen,
