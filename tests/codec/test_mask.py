@@ -98,3 +98,26 @@ def test_relu_mask_not_used_for_an_outside_relu_output():
         out = lin(h)
     assert [r.kind for r in daf.report(session).rows if r.shape == (64, 16)] == ["compressed"]
     out.sum().backward()
+
+
+def test_masks_with_checkpointing_and_nested_compress():
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return checkpoint(lambda t: self.b(F.relu(self.a(t))), x, use_reentrant=False) + x
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), Block(), nn.ReLU(), nn.Linear(32, 4)), torch.randn(64, 16)
+    model(x).square().sum().backward()
+    reference = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    daf.wrap(model, bits=8, min_numel=1)
+    model(x).square().sum().backward()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert float((got - reference).norm() / reference.norm()) < 0.02
+    assert any(r.kind == "mask" for r in daf.report(model).rows)
