@@ -94,6 +94,9 @@ class Config:
             wastes half a page on average: 4KiB keeps that under 1% on ResNet-18 (docs/paging.md).
         spill_dir: parent directory for the private spill directory; None uses the system temp dir.
         background: compress on a worker thread while forward goes on.
+        masks: store exact 1-bit masks where that is all backward needs: ReLU's own saved output
+            (read by its backward only as ``result > 0``) and tensors holding two values (dropout
+            masks, booleans). Lossless; on by default (docs/policy.md).
     """
 
     bits: float = 2
@@ -110,6 +113,7 @@ class Config:
     page_size: int = 4096
     spill_dir: str | None = None
     background: bool = False
+    masks: bool = True
     version: int = field(default=CONFIG_VERSION, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +136,8 @@ class Config:
             raise ValueError(f"Config.spill_dir must be a directory path string or None, got {self.spill_dir!r}")
         if not isinstance(self.background, bool):
             raise ValueError(f"Config.background must be True or False, got {self.background!r}")
+        if not isinstance(self.masks, bool):
+            raise ValueError(f"Config.masks must be True or False, got {self.masks!r}")
         if self.version != CONFIG_VERSION:
             raise ValueError(f"Config.version {self.version} is not supported; this DAF reads version {CONFIG_VERSION}")
 

@@ -12,9 +12,10 @@ __all__ = ["SiteRow", "Report"]
 class SiteRow:
     """One tensor saved for backward.
 
-    ``kind`` is "compressed", "raw" (kept as it is: too small, not floating point,
-    or the policy chose so) or "shared" (the same tensor saved again by another op;
-    stored once, so its bytes count zero here).
+    ``kind`` is "compressed", "mask" (stored exactly as one bit per element: ReLU's own
+    saved output, dropout masks and other two-valued tensors; ``bits`` is 1), "raw" (kept
+    as it is: too small, not floating point, or the policy chose so) or "shared" (the
+    same tensor saved again by another op; stored once, so its bytes count zero here).
     """
 
     site: str
@@ -57,7 +58,7 @@ class Report:
         return sum(r.raw_bytes for r in rows) / stored if stored else 1.0
 
     def totals(self) -> dict[str, Any]:
-        counts = {kind: sum(r.kind == kind for r in self.rows) for kind in ("compressed", "raw", "shared")}
+        counts = {kind: sum(r.kind == kind for r in self.rows) for kind in ("compressed", "mask", "raw", "shared")}
         return {"raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes, "ratio": self.ratio,
                 "sites": counts, "parameters_referenced": self.parameters_referenced}
 

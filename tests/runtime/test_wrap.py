@@ -25,7 +25,8 @@ def test_training_forward_compresses_and_report_has_sites():
     model(torch.randn(8, 3, 16, 16)).sum().backward()
     report = daf.report(model)
     kinds = {r.kind for r in report.rows}
-    assert {"compressed", "shared"} <= kinds
+    assert {"compressed", "mask"} <= kinds  # ReLU's own saves are exact 1-bit masks (Config.masks)
+    assert all(r.bits == 1 and r.stored_bytes <= r.raw_bytes / 30 for r in report.rows if r.kind == "mask")
     compressed = [r for r in report.rows if r.kind == "compressed"]
     assert all(r.bits == 2 and r.stored_bytes < r.raw_bytes / 10 for r in compressed)
     assert any(r.site.startswith("bn1#") for r in compressed)
@@ -95,12 +96,21 @@ def test_frozen_parameters_are_referenced_not_copied():
 
 
 def test_tensor_saved_by_two_ops_is_stored_once():
-    model = daf.wrap(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)), min_numel=1)
+    model = daf.wrap(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)), min_numel=1, masks=False)
     model(torch.randn(32, 64)).sum().backward()
     rows = daf.report(model).rows
     relu_out = [r for r in rows if r.shape == (32, 256) and r.source == "ReluBackward0"]
     assert sorted(r.kind for r in relu_out) == ["compressed", "shared"]
     assert sum(r.raw_bytes for r in relu_out) == 32 * 256 * 4
+
+
+def test_relu_output_is_a_mask_for_relu_and_values_for_the_next_op():
+    model = daf.wrap(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)), min_numel=1)
+    model(torch.randn(32, 64)).sum().backward()
+    rows = daf.report(model).rows
+    relu_out = [r for r in rows if r.shape == (32, 256) and r.source == "ReluBackward0"]
+    assert sorted((r.kind, r.bits) for r in relu_out) == [("compressed", 2), ("mask", 1)]
+    assert [r.stored_bytes for r in relu_out if r.kind == "mask"] == [32 * 256 // 8]
 
 
 def test_records_are_released_when_the_graph_is_freed():

@@ -63,7 +63,10 @@ class Codec:
 
 
 def make_codec(config: Config, backend: Backend | None = None) -> Codec:
-    """The codec ``config.codec`` names."""
+    """The codec ``config.codec`` names: "minmax" or "division" (``daf.codec.division``)."""
     if config.codec == "minmax":
         return Codec(config, backend)
-    raise NotImplementedError(f"codec {config.codec!r} is not implemented yet; use codec='minmax'")
+    if config.codec == "division":
+        from daf.codec.division import DivisionCodec
+        return DivisionCodec(config, backend)
+    raise ValueError(f"Config.codec must be 'minmax' or 'division', got {config.codec!r}")

@@ -10,7 +10,13 @@ __all__ = ["Policy", "UniformPolicy"]
 
 
 class Policy:
-    """What the runtime asks of a bit policy. Subclasses override what they need."""
+    """What the runtime asks of a bit policy. Subclasses override what they need.
+
+    ``needs_ops``: whether the policy wants ``watch_op`` calls (which op saved each tensor,
+    and its output), which costs one Python call per torch function in forward.
+    """
+
+    needs_ops = False
 
     def bits_for(self, site: str, x: torch.Tensor) -> int:
         """Bits for the tensor saved at ``site``; 0 keeps it raw."""
@@ -26,6 +32,13 @@ class Policy:
 
     def watch(self, site: str, x: torch.Tensor, bits: int) -> None:
         """Called for every compressed tensor; a policy may hook gradients here."""
+
+    def watch_op(self, call: Any) -> None:
+        """With ``needs_ops``: called after each torch function that saved stored tensors
+        (a ``daf.runtime.ops.OpCall``: the function, its arguments, output, and the saves)."""
+
+    def close(self) -> None:
+        """Release what the policy holds outside itself (hooks); called when the session closes."""
 
     def summary(self) -> dict[str, Any]:
         return {}

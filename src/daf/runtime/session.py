@@ -14,12 +14,14 @@ from typing import Any
 import torch
 
 from daf.codec import Codec, make_codec
+from daf.codec.mask import MASK_DTYPES, MaskPacked, decode_mask, encode_mask, encode_relu_mask, two_values
 from daf.config import Config
 from daf.format import FLOAT_DTYPES
 from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
 from daf.report import Report, SiteRow
 from daf.runtime.background import BackgroundPacker
+from daf.runtime.ops import OpCall, OpTracker
 from daf.runtime.sites import SiteTracker
 
 __all__ = ["Session"]
@@ -73,6 +75,10 @@ class Session:
         # output is also the next conv's input) is usually unpacked twice in a row, and this
         # decodes it once. Holds at most one decoded tensor, dropped with its record.
         self._recent: tuple[weakref.ref, torch.Tensor] | None = None
+        # Which torch function is running (ReLU masks, and the consumers the adaptive policy weighs).
+        self._track_ops = (config.masks or getattr(self.policy, "needs_ops", False)
+                           or getattr(self.codec, "takes_consumer", False))
+        self._trackers: list[OpTracker] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     def begin_forward(self, model: torch.nn.Module | None = None) -> None:
@@ -93,8 +99,9 @@ class Session:
         self._shared.clear()
         self._last_rows = self._rows
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+    def hooks(self) -> "_Hooks":
+        """The context under which saved tensors go through this session (and ops are tracked)."""
+        return _Hooks(self)
 
     # -- the data path ---------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -102,15 +109,29 @@ class Session:
         if self._is_parameter(tensor):
             self._parameters_referenced += 1
             return tensor
+        call = self._trackers[-1].current if self._trackers else None
+        if self.config.masks and call is not None and call.is_relu and self._is_relu_result(tensor):
+            # ReLU's own save: its backward reads only ``result > 0``. Never shared: the next op
+            # that saves this tensor needs its values and gets a record of its own.
+            return self._put_mask(site, tensor, encode_relu_mask(tensor), shareable=False)
         if not self._compressible(tensor):
+            values = self._two_values(tensor)
+            if values is not None:
+                return self._put_mask(site, tensor, encode_mask(tensor, values), shareable=True)
             self._record(site, tensor, None, tensor.numel() * tensor.element_size(), "raw")
+            if call is not None and tensor.dtype.is_floating_point:
+                call.saves.append((site, tensor))  # the policy may weigh what backward computes from it
             return tensor
-        key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
-               tensor.dtype, tensor.device)
+        key = self._key(tensor)
         hit = self._shared.get(key)
         if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
             self._record(site, tensor, None, 0, "shared")
+            if call is not None and isinstance(hit[2], _Saved):
+                call.saves.append((hit[2].site, tensor))
             return hit[2]
+        values = self._two_values(tensor)
+        if values is not None:
+            return self._put_mask(site, tensor, encode_mask(tensor, values), shareable=True)
         bits = self.policy.bits_for(site, tensor)
         if bits == 0:
             self._record(site, tensor, None, tensor.numel() * tensor.element_size(), "raw")
@@ -122,13 +143,47 @@ class Session:
             self._pending.append((saved, len(self._rows)))
             stored = 0  # filled in when the packed tensor is collected
         else:
-            packed = self.codec.encode(tensor, bits, seed)
+            if call is not None and getattr(self.codec, "takes_consumer", False):
+                packed = self.codec.encode(tensor, bits, seed, consumer=call.name)
+            else:
+                packed = self.codec.encode(tensor, bits, seed)
             saved = _Saved(self.store, self.store.put(packed, importance, site), site)
             stored = packed.nbytes
         self._shared[key] = (weakref.ref(tensor), tensor._version, saved)
         self.policy.watch(site, tensor, bits)
+        if call is not None:
+            call.saves.append((site, tensor))
         self._record(site, tensor, bits, stored, "compressed")
         return saved
+
+    def _put_mask(self, site: str, tensor: torch.Tensor, packed: Any, shareable: bool) -> "_Saved":
+        self._packs += 1
+        saved = _Saved(self.store, self.store.put(packed, self.policy.importance(site, self._packs), site), site)
+        if shareable:
+            self._shared[self._key(tensor)] = (weakref.ref(tensor), tensor._version, saved)
+        self._record(site, tensor, 1, packed.nbytes, "mask")
+        return saved
+
+    def _two_values(self, tensor: torch.Tensor) -> tuple[float, float] | None:
+        """The two values of a tensor that holds no more (stored exactly as a mask), else None."""
+        if not self.config.masks or tensor.dtype not in MASK_DTYPES or tensor.layout != torch.strided \
+                or tensor.numel() < max(self.config.min_numel, 1) or tensor.is_meta:
+            return None
+        return two_values(tensor)
+
+    @staticmethod
+    def _is_relu_result(tensor: torch.Tensor) -> bool:
+        return (tensor.grad_fn is not None and type(tensor.grad_fn).__name__ == "ReluBackward0"
+                and tensor.dtype.is_floating_point and tensor.layout == torch.strided and not tensor.is_meta)
+
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> tuple:
+        return (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
+                tensor.dtype, tensor.device)
+
+    def _op_done(self, call: OpCall) -> None:
+        self.policy.watch_op(call)
+        call.saves.clear()
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
@@ -138,7 +193,8 @@ class Session:
             return recent[1]
         if saved.ref is None:  # backward (or checkpointing) asked before the forward ended
             self._collect_pending()
-        tensor = self.codec.decode(self.store.get(saved.ref))
+        packed = self.store.get(saved.ref)
+        tensor = decode_mask(packed) if isinstance(packed, MaskPacked) else self.codec.decode(packed)
         self._recent = (weakref.ref(saved, self._forget_recent), tensor)
         return tensor
 
@@ -192,9 +248,32 @@ class Session:
         self._collect_pending()
         if self.packer is not None:
             self.packer.close()
+        self.policy.close()
         self._recent = None
         self._shared.clear()
         self.store.close()
+
+
+class _Hooks:
+    """Saved-tensor hooks of a session, plus its op tracker when masks or the policy need one."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self._saved = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
+        self._tracker = OpTracker(session._op_done) if session._track_ops else None
+
+    def __enter__(self) -> "_Hooks":
+        self._saved.__enter__()
+        if self._tracker is not None:
+            self._tracker.__enter__()
+            self._session._trackers.append(self._tracker)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._tracker is not None:
+            self._session._trackers.remove(self._tracker)
+            self._tracker.__exit__(*exc)
+        self._saved.__exit__(*exc)
 
 
 def _splitmix64(x: int) -> int:

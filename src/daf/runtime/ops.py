@@ -1,0 +1,91 @@
+"""Which torch function is saving a tensor, and what it returned: a ``TorchFunctionMode``.
+
+Saved-tensor hooks see the tensor but not the op that saves it. While a session's
+hooks are active this mode records the top-level torch function being run, so that
+the pack hook can tell (1) that the tensor is ReLU's own saved output, which backward
+reads only as a mask, and (2) which op consumes the tensor, its arguments and its
+output, whose gradient is the one that flows into that op during backward.
+
+Inside a mode's handler the mode is off, so calls made by the function itself
+(``F.relu`` calling ``torch.relu``) are not seen again: the function recorded is
+the outermost one the model called. Cost: one Python call per torch function run
+in forward while the mode is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS"]
+
+
+def _relu_functions() -> frozenset:
+    import torch.nn.functional as F
+    return frozenset({torch.relu, torch.relu_, F.relu, F.relu_, torch.Tensor.relu, torch.Tensor.relu_})
+
+
+RELU_FUNCTIONS = _relu_functions()
+
+
+@dataclass
+class OpCall:
+    """One top-level torch function call that saved tensors for backward.
+
+    ``saves`` holds ``(site, tensor)`` for each tensor it saved that DAF stores
+    (``site`` is the site of the record, which for a shared tensor is where it was
+    first stored); ``output`` is what the function returned.
+    """
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    saves: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    output: Any = None
+
+    @property
+    def name(self) -> str:
+        return getattr(self.func, "__name__", type(self.func).__name__)
+
+    @property
+    def is_relu(self) -> bool:
+        return self.func in RELU_FUNCTIONS
+
+
+class OpTracker(TorchFunctionMode):
+    """Keeps the current top-level call; ``on_done(call)`` runs after each call that saved something.
+
+    The ``OpCall`` is made only when the pack hook asks for it (``current``), so calls that save
+    nothing (views, shape queries) cost a few attribute stores.
+    """
+
+    def __init__(self, on_done: Callable[[OpCall], None]) -> None:
+        super().__init__()
+        self._frame: tuple | None = None
+        self._call: OpCall | None = None
+        self._on_done = on_done
+
+    @property
+    def current(self) -> OpCall | None:
+        """The call running now (made on first use), or None outside any call."""
+        if self._call is None and self._frame is not None:
+            self._call = OpCall(*self._frame)
+        return self._call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        outer = (self._frame, self._call)
+        self._frame, self._call = (func, args, kwargs), None
+        try:
+            output = func(*args, **kwargs)
+            call = self._call
+        finally:
+            self._frame, self._call = outer
+        if call is not None and call.saves:
+            call.output = output
+            self._on_done(call)
+        return output

@@ -1,0 +1,123 @@
+"""1-bit masks: lossless for two-valued tensors, ReLU's saves stored as masks, gradients exact."""
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import daf
+from daf.codec.mask import decode_mask, encode_mask, encode_relu_mask, mask_bytes, two_values
+
+
+def _bits(t):
+    return t if t.dtype == torch.bool else t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool])
+@pytest.mark.parametrize("numel", [1, 7, 8, 4095, 10001])
+def test_two_valued_round_trip_is_bit_exact(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    keep = torch.rand(numel, generator=g) > 0.3
+    x = keep if dtype == torch.bool else (keep.to(dtype) / 0.9).to(dtype)
+    values = two_values(x)
+    assert values is not None
+    packed = encode_mask(x, values)
+    assert packed.payload.numel() == mask_bytes(numel) and packed.bits == 1
+    y = decode_mask(packed)
+    assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(_bits(y), _bits(x))
+
+
+def test_signed_zero_nan_constant_and_channels_last():
+    for x in (torch.tensor([-0.0, 0.0, 0.0, -0.0]), torch.tensor([1.0, float("nan"), 1.0]), torch.full((9,), 3.0)):
+        y = decode_mask(encode_mask(x, two_values(x)))
+        assert torch.equal(torch.signbit(y), torch.signbit(x)) and torch.equal(torch.isnan(y), torch.isnan(x))
+    x = (torch.rand(2, 3, 5, 5) > 0.5).float().to(memory_format=torch.channels_last)
+    y = decode_mask(encode_mask(x, two_values(x)))
+    assert torch.equal(y, x) and y.stride() == x.stride()
+
+
+def test_more_than_two_values_is_refused():
+    assert two_values(torch.randn(100)) is None
+    x = torch.zeros(10000)
+    x[-1] = 2.0
+    x[-2] = 3.0  # the third value is past the first 4096 elements
+    assert two_values(x) is None
+    assert two_values(torch.arange(10)) is None  # integers are not masks
+    with pytest.raises(ValueError, match="two values"):
+        encode_mask(torch.randn(4), None)
+    with pytest.raises(ValueError, match="floating-point"):
+        encode_relu_mask(torch.ones(4, dtype=torch.int32))
+
+
+def test_relu_mask_keeps_only_the_sign():
+    x = torch.tensor([0.0, 0.5, 0.0, 2.0])
+    assert torch.equal(decode_mask(encode_relu_mask(x)), torch.tensor([0.0, 1.0, 0.0, 1.0]))
+
+
+class ReluNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 10)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = F.relu(self.a(x))           # relu saves h (mask), self.b saves h (values)
+        h = self.drop(h)                # dropout saves its two-valued noise (mask)
+        return self.b(F.relu(h) * 1.0)  # this relu's output is only read by its backward and a mul
+
+
+def test_masks_are_exact_where_backward_reads_only_a_mask():
+    torch.manual_seed(0)
+    model, x = ReluNet(), torch.randn(32, 64)
+    torch.manual_seed(1)
+    model(x).square().sum().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    # 8-bit values everywhere; masks are exact, so the gradient differs only by the 8-bit rounding
+    daf.wrap(model, bits=8, min_numel=1)
+    torch.manual_seed(1)
+    model(x).square().sum().backward()
+    rows = daf.report(model).rows
+    masks = [r for r in rows if r.kind == "mask"]
+    assert len(masks) >= 3 and all(r.stored_bytes == -(-r.raw_bytes // 4 // 8) for r in masks)
+    for p, ref in zip(model.parameters(), reference):
+        assert float((p.grad - ref).norm() / ref.norm()) < 0.02
+
+
+def test_masks_off_keeps_the_old_rows():
+    model = daf.wrap(ReluNet(), bits=2, min_numel=1, masks=False)
+    model(torch.randn(8, 64)).sum().backward()
+    assert all(r.kind != "mask" for r in daf.report(model).rows)
+
+
+def test_relu_mask_not_used_for_an_outside_relu_output():
+    """A ReLU output made before the hooks and saved inside by a linear layer needs its values."""
+    lin = nn.Linear(16, 16)
+    h = torch.relu(torch.randn(64, 16, requires_grad=True))
+    with daf.compress(lin, min_numel=1, bits=8) as session:
+        out = lin(h)
+    assert [r.kind for r in daf.report(session).rows if r.shape == (64, 16)] == ["compressed"]
+    out.sum().backward()
+
+
+def test_masks_with_checkpointing_and_nested_compress():
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return checkpoint(lambda t: self.b(F.relu(self.a(t))), x, use_reentrant=False) + x
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), Block(), nn.ReLU(), nn.Linear(32, 4)), torch.randn(64, 16)
+    model(x).square().sum().backward()
+    reference = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    daf.wrap(model, bits=8, min_numel=1)
+    model(x).square().sum().backward()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert float((got - reference).norm() / reference.norm()) < 0.02
+    assert any(r.kind == "mask" for r in daf.report(model).rows)

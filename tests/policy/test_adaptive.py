@@ -1,0 +1,118 @@
+"""The adaptive policy in a session: estimates, plans within budget, report, page-pool importance."""
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import daf
+from daf.policy import AdaptivePolicy, make_policy
+from daf.policy.importance import rounding_variance
+from tests.models import SmallCNN
+
+
+class Head(nn.Module):
+    """A wide branch whose output barely matters and a small, very sensitive head (like a fresh classifier)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.pre = nn.Linear(64, 2048), nn.Linear(64, 64)
+        self.body = nn.Linear(2048, 10)  # saves its 64x2048 input: large, insensitive
+        self.head = nn.Linear(64, 10)  # saves its 64x64 input: small, sensitive
+
+    def forward(self, x):
+        return self.head(self.pre(x) * 1.0) + 1e-3 * self.body(self.up(x) * 1.0)
+
+
+def _train(model, steps, make_batch):
+    for step in range(steps):
+        x, y = make_batch(step)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+
+
+def test_rounding_variance_is_exact_for_stochastic_rounding():
+    x = torch.linspace(0, 3, 256)  # one group: range 3
+    v, var = rounding_variance(x, 256, (1, 2))
+    # at 2 bits the step is 1 and frac is uniform over [0, 1): E[p(1-p)] -> 1/6
+    assert abs(float(v[1]) - 1 / 6) < 0.01
+    assert float(v[0]) > 8 * float(v[1]) and abs(var - float(x.double().var())) < 1e-6
+
+
+def test_plan_meets_the_budget_and_appears_in_the_report():
+    torch.manual_seed(0)
+    model = daf.wrap(SmallCNN(), policy="adaptive", bits=1.5, replan_every=2, min_numel=1)
+    _train(model, 4, lambda s: (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))))
+    report = daf.report(model)
+    section = report.sections["policy"]
+    assert section["policy"] == "adaptive" and section["plans"] >= 2
+    assert section["mean_bits"] <= 1.5
+    rows = [r for r in report.rows if r.kind == "compressed"]
+    assert {r.site: r.bits for r in rows} == {s: b for s, b in section["plan"].items() if b <= 8 and
+                                             s in {r.site for r in rows}}
+    sizes = {r.site: -(-r.raw_bytes // 4 // 256) * 256 for r in rows}
+    raw_sites = [s for s, b in section["plan"].items() if b > 8]
+    mean = sum(sizes[s] * section["plan"][s] for s in sizes) / sum(sizes.values())
+    assert not raw_sites and mean <= 1.5 + 1e-9
+
+
+def test_sensitive_small_site_gets_more_bits():
+    torch.manual_seed(0)
+    model = daf.wrap(Head(), policy="adaptive", bits=2.0, replan_every=3, min_numel=1)
+    _train(model, 4, lambda s: (torch.randn(64, 64), torch.randint(0, 10, (64,))))
+    plan = daf.report(model).sections["policy"]["plan"]
+    head = next(s for s in plan if s.startswith("head#"))
+    assert plan[head] >= 8  # the head's input is cheap to keep and matters most
+    assert min(plan.values()) <= 2
+
+
+def test_adaptive_gradient_error_not_worse_than_uniform_on_a_skewed_model():
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    base = Head()
+    errors = {}
+    for name, kw in {"uniform": dict(bits=2), "adaptive": dict(policy="adaptive", bits=2.0, replan_every=2)}.items():
+        model = Head()
+        model.load_state_dict(base.state_dict())
+        daf.wrap(model, min_numel=1, **kw)
+        _train(model, 2, lambda s: (x, y))  # the adaptive policy plans at step 1
+        ref = Head()
+        ref.load_state_dict(base.state_dict())
+        _train(ref, 1, lambda s: (x, y))
+        errs = []
+        for seed in range(3):
+            torch.manual_seed(seed)
+            _train(model, 1, lambda s: (x, y))
+            g = torch.cat([p.grad.flatten() for p in model.parameters()])
+            r = torch.cat([p.grad.flatten() for p in ref.parameters()])
+            errs.append(float((g - r).norm() / r.norm()))
+        errors[name] = sum(errs) / len(errs)
+        if name == "adaptive":
+            assert daf.report(model).stored_bytes <= stored_uniform
+        else:
+            stored_uniform = daf.report(model).stored_bytes
+    assert errors["adaptive"] < errors["uniform"] / 2
+
+
+def test_importance_follows_the_plan_slopes():
+    torch.manual_seed(0)
+    model = daf.wrap(Head(), policy="adaptive", bits=2.0, replan_every=2, min_numel=1)
+    _train(model, 3, lambda s: (torch.randn(64, 64), torch.randint(0, 10, (64,))))
+    policy = daf.session_of(model).policy
+    plan = policy.plan.bits
+    body = next(s for s in plan if s.startswith("body#"))
+    head = next(s for s in plan if s.startswith("head#"))
+    assert policy.importance(head, 0) > policy.importance(body, 0)
+    assert policy.importance("never-seen#0", 5) < policy.importance(body, 0)
+
+
+def test_default_bits_before_a_plan_and_errors():
+    assert AdaptivePolicy(1.5).default_bits == 2 and AdaptivePolicy(2.0).default_bits == 2
+    assert AdaptivePolicy(3.5).default_bits == 4 and AdaptivePolicy(1.2).default_bits == 1
+    assert isinstance(make_policy(daf.Config(policy="adaptive", bits=2.5)), AdaptivePolicy)
+    with pytest.raises(ValueError, match="average"):
+        AdaptivePolicy(0.5)
+    with pytest.raises(ValueError, match="replan_every"):
+        AdaptivePolicy(2.0, replan_every=0)
+    with pytest.raises(ValueError, match="Config.bits"):
+        daf.Config(policy="adaptive", bits=9)
