@@ -53,6 +53,6 @@ def test_import_stays_lean():
     import subprocess
     import sys
     code = ("import sys, daf.workloads, daf.cli; "
-            "print([m for m in ('transformers', 'peft', 'matplotlib', 'tqdm') if m in sys.modules])")
+            "print([m for m in ('transformers', 'peft', 'matplotlib') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
