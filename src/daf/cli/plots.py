@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_losses", "plot_memory"]
+__all__ = ["plot_losses", "plot_memory", "replot"]
 
 _MIB = 2**20
 _COLORS = {"fp32": "tab:blue", "daf": "tab:orange"}
@@ -68,12 +68,14 @@ def plot_memory(runs: list[dict[str, Any]], path: Path, title: str) -> Path:
         if not events:
             continue
         color = _COLORS.get(run["arm"])
-        ms = [1000 * e[0] for e in events]
-        left.plot(ms, [e[2] / _MIB for e in events], color=color, label=_label(run))
-        right.plot(ms, [(e[3] - events[0][3]) / _MIB for e in events], color=color, label=_label(run))
-        for e in events:
+        x = range(len(events))  # one sample after each layer's forward, one as each layer's gradient arrives
+        left.plot(x, [e[2] / _MIB for e in events], color=color, label=_label(run))
+        right.plot(x, [(e[3] - events[0][3]) / _MIB for e in events], color=color, label=_label(run))
+        for i, e in enumerate(events):
             if e[1] in ("forward end", "backward end"):
-                left.axvline(1000 * e[0], color=color, linestyle=":", alpha=0.6)
+                left.axvline(i, color=color, linestyle=":", alpha=0.6)
+                right.axvline(i, color=color, linestyle=":", alpha=0.6)
+        left.plot([], [], " ", label=f"{_label(run)}: step {1000 * events[-1][0]:.0f} ms")
     left.set_title("activations held for backward")
     left.text(0.01, 0.99, "fp32: tensors autograd holds\nDAF: its store (tensors kept raw not included)",
               transform=left.transAxes, va="top", fontsize=8, alpha=0.8)
@@ -81,11 +83,29 @@ def plot_memory(runs: list[dict[str, Any]], path: Path, title: str) -> Path:
     right.set_title("process RSS above the step's start")
     right.set_ylabel("MiB")
     for ax in (left, right):
-        ax.set_xlabel("ms into the step (dotted: end of forward, end of backward)")
+        ax.set_xlabel("samples through the step: after each layer forward, then as gradients arrive\n(dotted: end of forward, end of backward)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="upper right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def replot(json_path: Path | str, directory: Path | str, stem: str) -> list[str]:
+    """Draw both plots again from a ``--json`` file (``python -m daf.cli.plots FILE DIR STEM``)."""
+    import json
+    data = json.loads(Path(json_path).read_text())
+    runs = list(data["runs"].values())
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    first = runs[0]
+    title = f"{first['workload']}: {first['steps_done']} steps of batch {first['batch']}, seed {first['seed']}"
+    return [str(plot_losses(runs, directory / f"{stem}-loss.png", title)),
+            str(plot_memory(runs, directory / f"{stem}-memory.png", f"{first['workload']}: one training step"))]
+
+
+if __name__ == "__main__":
+    import sys
+    print("\n".join(replot(*sys.argv[1:4])))

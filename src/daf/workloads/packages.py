@@ -57,4 +57,5 @@ def offline_transformers() -> ModuleType:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     transformers = require_module("transformers", "text")
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     return transformers
