@@ -68,6 +68,8 @@ def test_train_json_schema(tmp_path, capsys):
     assert all(p.endswith(".png") and os.path.getsize(p) > 1000 for p in data["plots"])
     out = capsys.readouterr().out
     assert "eval accuracy" in out and "DAF 2-bit" in out and "step ms" in out
+    from daf.cli.plots import replot
+    assert all(os.path.getsize(p) > 1000 for p in replot(path, tmp_path / "again", "tiny"))
 
 
 def _daf(*argv):
