@@ -76,9 +76,8 @@ def plot_memory(runs: list[dict[str, Any]], path: Path, title: str) -> Path:
                 left.axvline(i, color=color, linestyle=":", alpha=0.6)
                 right.axvline(i, color=color, linestyle=":", alpha=0.6)
         left.plot([], [], " ", label=f"{_label(run)}: step {1000 * events[-1][0]:.0f} ms")
-    left.set_title("activations held for backward")
-    left.text(0.01, 0.99, "fp32: tensors autograd holds\nDAF: its store (tensors kept raw not included)",
-              transform=left.transAxes, va="top", fontsize=8, alpha=0.8)
+    left.set_title("activations held for backward\n(fp32: tensors autograd holds; DAF: its store, "
+                   "tensors kept raw not included)", fontsize=9)
     left.set_ylabel("MiB")
     right.set_title("process RSS above the step's start")
     right.set_ylabel("MiB")

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-__all__ = ["Workload", "Batch", "index_stream", "check_positive"]
+__all__ = ["Workload", "Batch", "index_stream", "check_positive", "seeded"]
 
 # A batch is whatever the workload's ``loss`` takes: a tuple of tensors or a dict of tensors.
 Batch = Any

@@ -13,7 +13,7 @@ import hashlib
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -206,8 +206,3 @@ def _evaluate(workload: Workload, model: nn.Module, record: dict[str, Any]) -> d
         return None
     figures["seconds"] = time.perf_counter() - start
     return figures
-
-
-def settings_dict(settings: RunSettings) -> dict[str, Any]:
-    """``settings`` as plain data (for the JSON record)."""
-    return asdict(settings)
