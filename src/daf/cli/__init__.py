@@ -1,0 +1,228 @@
+"""The ``daf`` command: train a real workload with DAF, or compare it with fp32 side by side.
+
+    daf workloads
+    daf train WORKLOAD [--bits 2] [--policy uniform] [--budget 512MiB] [--steps N] [--batch B] [--fp32]
+    daf compare WORKLOAD [--bits 2] [--steps N] [--batch B] [--json FILE] [--out DIR]
+
+``compare`` runs fp32 then DAF, each in its own process, with the same seed, initial weights and
+batch order; it prints a table (eval metric, activation MiB raw and stored, peak RSS, median step
+time), writes PNG plots and, with ``--json``, the figures. Ctrl-C stops cleanly and still reports
+what was measured (exit status 130). Argument errors exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "build_parser"]
+
+_DAF_FLAGS = ("bits", "policy", "budget", "group_size", "backend")
+EXIT_INTERRUPTED = 130
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"workload options are written KEY=VALUE (e.g. width=16), got {text!r}")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return key.strip().replace("-", "_"), value
+
+
+def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    parser.add_argument("workload", choices=names, metavar="WORKLOAD", help=f"one of: {', '.join(names)}")
+    run = parser.add_argument_group("run")
+    run.add_argument("--steps", type=_positive_int, help="training steps (default: the workload's)")
+    run.add_argument("--batch", type=_positive_int, help="batch size (default: the workload's)")
+    run.add_argument("--seed", type=_non_negative_int, default=0, help="seed of weights and data order (0)")
+    run.add_argument("-O", "--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                     help="a workload option, e.g. -O width=16 -O train_size=2000 (repeatable)")
+    run.add_argument("--trace-step", type=_non_negative_int, default=2,
+                     help="the step whose activation bytes and memory timeline are recorded (2)")
+    compress = parser.add_argument_group("DAF (passed to daf.Config)")
+    compress.add_argument("--bits", type=float, help="bits per element: 1, 2, 4, 8; an average with --policy adaptive (2)")
+    compress.add_argument("--policy", help="bit policy: uniform (default) or adaptive")
+    compress.add_argument("--budget", help="memory budget of stored activations, e.g. 512MiB")
+    compress.add_argument("--group-size", type=int, dest="group_size", help="elements per min/scale group (256)")
+    compress.add_argument("--backend", help="auto, native or reference")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write the figures to FILE (schema daf.results/1)")
+    out.add_argument("--out", metavar="DIR", help="where the PNG plots go (default: results/WORKLOAD)")
+    out.add_argument("--no-plots", action="store_true", help="write no PNG")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``daf``."""
+    from daf.workloads import names
+    parser = argparse.ArgumentParser(prog="daf", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("workloads", help="list the workloads")
+    train = commands.add_parser("train", help="train one workload, with DAF unless --fp32")
+    _common(train, names())
+    train.add_argument("--fp32", action="store_true", help="train without DAF (the baseline)")
+    train.add_argument("--result-file", help=argparse.SUPPRESS)
+    compare = commands.add_parser("compare", help="fp32 and DAF side by side, same seed and data order")
+    _common(compare, names())
+    return parser
+
+
+def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Workload options and DAF overrides (None for fp32), validated before anything is trained."""
+    import daf
+    from daf.workloads import get_workload
+    options = dict(args.option)
+    if "seed" in options:
+        parser.error("give the seed with --seed, not -O seed=...")
+    options["seed"] = args.seed
+    try:
+        get_workload(args.workload, **options)
+    except ValueError as error:
+        parser.error(str(error))
+    given = {name: getattr(args, name) for name in _DAF_FLAGS if getattr(args, name) is not None}
+    if getattr(args, "fp32", False):
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            parser.error(f"--fp32 trains without DAF, so {flags} cannot apply; drop --fp32 to train with DAF")
+        return options, None
+    overrides = {"bits": 2, **given}
+    try:
+        config = daf.Config(**overrides)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        from daf.policy import make_policy
+        make_policy(config)
+    except NotImplementedError as error:
+        parser.error(f"--policy {config.policy}: {error}")
+    return options, overrides
+
+
+def _train_argv(args: argparse.Namespace, fp32: bool) -> list[str]:
+    argv = [args.workload, "--seed", str(args.seed), "--trace-step", str(args.trace_step), "--no-plots"]
+    for flag in ("steps", "batch"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag}", str(getattr(args, flag))]
+    for key, value in args.option:
+        argv += ["-O", f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"]
+    if args.no_progress:
+        argv.append("--no-progress")
+    if fp32:
+        argv.append("--fp32")
+    else:
+        for name in _DAF_FLAGS:
+            if getattr(args, name) is not None:
+                argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return argv
+
+
+def _plots(args: argparse.Namespace, runs: list[dict[str, Any]], stem: str) -> list[str]:
+    if args.no_plots or not runs or not any(run["losses"] for run in runs):
+        return []
+    from daf.cli.plots import plot_losses, plot_memory
+    directory = Path(args.out or Path("results") / args.workload)
+    directory.mkdir(parents=True, exist_ok=True)
+    steps, batch = runs[0]["steps_done"], runs[0]["batch"]
+    title = f"{args.workload}: {steps} steps of batch {batch}, seed {args.seed}"
+    return [str(plot_losses(runs, directory / f"{stem}-loss.png", title)),
+            str(plot_memory(runs, directory / f"{stem}-memory.png", f"{args.workload}: one training step"))]
+
+
+def _finish(args: argparse.Namespace, argv: list[str], runs: dict[str, dict[str, Any]], interrupted: bool,
+            stem: str) -> int:
+    from daf.cli.record import envelope, write_json
+    from daf.cli.table import format_table
+    listed = list(runs.values())
+    plots = _plots(args, listed, stem)
+    print()
+    print(f"{args.workload}: seed {args.seed}" + (f", {listed[0]['batch']} per batch" if listed else ""))
+    print(format_table(listed))
+    for path in plots:
+        print(f"plot: {path}")
+    if args.json:
+        path = write_json(args.json, envelope(args.command, argv, runs, interrupted, plots))
+        print(f"figures: {path}")
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], overrides: dict[str, Any] | None) -> int:
+    from daf.workloads.train import RunSettings, run_training
+    settings = RunSettings(args.workload, options, args.steps, args.batch, overrides, args.trace_step,
+                           progress=not args.no_progress)
+    try:
+        record = run_training(settings)
+    except KeyboardInterrupt:
+        print("interrupted before training started: nothing was measured", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(record))
+        return EXIT_INTERRUPTED if record["interrupted"] else 0
+    return _finish(args, argv, {record["arm"]: record}, record["interrupted"], f"{args.workload}-{record['arm']}")
+
+
+def _compare(args: argparse.Namespace, argv: list[str]) -> int:
+    from daf.cli.arms import run_arm_subprocess
+    runs: dict[str, dict[str, Any]] = {}
+    interrupted = False
+    for arm in ("fp32", "daf"):
+        print(f"== {args.workload}: {arm} arm (own process) ==", file=sys.stderr, flush=True)
+        record, pressed, error = run_arm_subprocess(_train_argv(args, fp32=arm == "fp32"))
+        if record is not None:
+            runs[arm] = record
+        interrupted = interrupted or pressed or bool(record and record["interrupted"])
+        if error is not None:
+            print(f"{arm} arm failed: {error}", file=sys.stderr)
+            if not interrupted:
+                _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
+                return 1
+        if interrupted:
+            break
+    return _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``daf`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "workloads":
+        from daf.workloads import names, workload_class
+        for name in names():
+            cls = workload_class(name)
+            print(f"{name:16} {cls.summary} (default {cls.default_steps} steps of batch {cls.default_batch})")
+        return 0
+    options, overrides = _resolve(parser, args)
+    try:
+        if args.command == "train":
+            return _train(args, argv, options, overrides)
+        return _compare(args, argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -1,0 +1,57 @@
+"""The training loop: its record, both arms on the same data, Ctrl-C (in process)."""
+
+import pytest
+
+from daf.cli.record import RUN_KEYS
+from daf.workloads.train import RunSettings, run_training
+
+TINY = {"train_size": 256, "eval_size": 100}
+
+
+@pytest.fixture(scope="module")
+def arms():
+    fp32 = run_training(RunSettings("tiny-mnist", dict(TINY), steps=4, batch=32, progress=False))
+    compressed = run_training(RunSettings("tiny-mnist", dict(TINY), steps=4, batch=32, daf={"bits": 2},
+                                          progress=False))
+    return fp32, compressed
+
+
+def test_record_fields(arms):
+    for run in arms:
+        assert set(RUN_KEYS) <= set(run)
+        assert run["steps_done"] == 4 and len(run["losses"]) == 4 and len(run["step_seconds"]) == 4
+        assert run["eval"]["eval_examples"] == 100 and run["median_step_seconds"] > 0
+        assert run["peak_rss_bytes"] > 0 and not run["interrupted"]
+        phases = {event[1] for event in run["timeline"]["events"]}
+        assert {"forward", "forward end", "backward", "backward end"} <= phases
+
+
+def test_same_weights_and_batches_in_both_arms(arms):
+    fp32, compressed = arms
+    assert fp32["init_digest"] == compressed["init_digest"]
+    assert fp32["data_digest"] == compressed["data_digest"]
+    assert fp32["config"] is None and compressed["config"]["bits"] == 2
+
+
+def test_activation_bytes(arms):
+    fp32, compressed = arms
+    assert fp32["activations"]["raw_bytes"] == fp32["activations"]["stored_bytes"] > 0
+    raw, stored = compressed["activations"]["raw_bytes"], compressed["activations"]["stored_bytes"]
+    assert stored < raw
+    assert abs(raw - fp32["activations"]["raw_bytes"]) < 0.01 * raw  # both count what autograd saves
+
+
+def test_interrupt_keeps_what_was_measured(monkeypatch):
+    from daf.workloads.tiny_mnist import TinyMNIST
+    calls = {"n": 0}
+    original = TinyMNIST.loss
+
+    def loss(self, model, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return original(self, model, batch)
+
+    monkeypatch.setattr(TinyMNIST, "loss", loss)
+    run = run_training(RunSettings("tiny-mnist", dict(TINY), steps=50, batch=16, progress=False))
+    assert run["interrupted"] and run["steps_done"] == 2 and run["eval"] is not None
