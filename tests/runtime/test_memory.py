@@ -8,8 +8,8 @@ on a model this small it is set by the allocator's behaviour during forward (gli
 serves activations from the heap and small long-lived autograd allocations land in
 the holes freed activations leave, so the heap grows in a staircase even when every
 saved tensor is dropped), not by what DAF stores. Figures seen (ResNet-18 width 16,
-batch 64, 2 bits): held after forward fp32 75.1 MB, DAF 5.3 MB (14x); step peak
-above start fp32 125 MB, DAF 123 MB. docs/memory.md has the full-size figures.
+batch 64, 2 bits, exact ReLU masks): held after forward fp32 75.1 MB, DAF 6.4 MB (11.7x); step peak
+above start fp32 122 MB, DAF 133 MB. docs/memory.md has the full-size figures.
 """
 
 import json
@@ -58,7 +58,7 @@ def measure(mode: str) -> dict:
 def test_resnet_at_two_bits_holds_far_less_memory_after_forward():
     fp32, compressed = measure("fp32"), measure("daf")
     totals = compressed["report"]
-    assert totals["raw_bytes"] >= 12 * totals["stored_bytes"]
+    assert totals["raw_bytes"] >= 10 * totals["stored_bytes"]  # 11x: 2-bit codes plus exact ReLU masks
     # RSS held after forward drops by a factor comparable to the report's (activations are not all
     # there is: the autograd graph and BatchNorm's saved statistics stay raw).
     assert compressed["held"] * 8 <= fp32["held"], (fp32, compressed)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS"]
+__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS", "SOFTMAX_RECOMPUTE_BITS"]
 
 
 def _relu_functions() -> frozenset:
@@ -30,6 +30,25 @@ def _relu_functions() -> frozenset:
 
 
 RELU_FUNCTIONS = _relu_functions()
+
+# Fused attention (flash / memory-efficient kernels) saves query, key, value, its output and the
+# exact logsumexp of the logits; backward recomputes softmax as exp(q k^T * scale - logsumexp) and
+# subtracts rowsum(dO * out) from dO v^T. Coarse codes of q and k shift the logits against the exact
+# logsumexp, and exp() turns the shift into a multiplicative error (SmolLM2 at 2 bits diverged to NaN
+# in two steps); coarse v and out break the cancellation of that subtraction where attention is
+# sharp. All four keep 8 bits at least: on a causal head with logits ~30, 2 bits elsewhere and 8 here
+# gives gradients at cosine 0.985 to fp32, against NaN with 2 bits here (tests/runtime/test_attention.py).
+# The math path (used with dropout) saves its own intermediates and is left to the policy.
+SOFTMAX_RECOMPUTE_BITS = 8
+_ATTENTION_INPUTS = (("query", 0), ("key", 1), ("value", 2))
+
+
+def _attention_functions() -> frozenset:
+    import torch.nn.functional as F
+    return frozenset({F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention})
+
+
+ATTENTION_FUNCTIONS = _attention_functions()
 
 
 @dataclass
@@ -54,6 +73,18 @@ class OpCall:
     @property
     def is_relu(self) -> bool:
         return self.func in RELU_FUNCTIONS
+
+    def is_fused_attention_save(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is q, k, v or the output saved by a fused-attention kernel (SOFTMAX_RECOMPUTE_BITS)."""
+        if self.func not in ATTENTION_FUNCTIONS:
+            return False
+        if tensor.grad_fn is not None and "Attention" in type(tensor.grad_fn).__name__:
+            return True  # the kernel's own output
+        for name, position in _ATTENTION_INPUTS:
+            given = self.kwargs.get(name, self.args[position] if len(self.args) > position else None)
+            if given is tensor:
+                return True
+        return False
 
 
 class OpTracker(TorchFunctionMode):

@@ -21,7 +21,7 @@ from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
 from daf.report import Report, SiteRow
 from daf.runtime.background import BackgroundPacker
-from daf.runtime.ops import OpCall, OpTracker
+from daf.runtime.ops import SOFTMAX_RECOMPUTE_BITS, OpCall, OpTracker
 from daf.runtime.sites import SiteTracker
 
 __all__ = ["Session"]
@@ -67,6 +67,9 @@ class Session:
         self._rows: list[SiteRow] = []
         self._last_rows: list[SiteRow] = []
         self._shared: dict[tuple, tuple[weakref.ref, int, _Saved]] = {}
+        # Which report row counts each tensor's raw bytes: ReLU's output is stored twice (a mask for
+        # ReLU, codes for the next op) but autograd without DAF would hold it once; the last row counts it.
+        self._counted: dict[tuple, tuple[weakref.ref, int]] = {}
         self._parameter_storages: set[int] = set()
         self._parameters_referenced = 0
         self.packer = BackgroundPacker(self.codec) if config.background else None
@@ -75,9 +78,8 @@ class Session:
         # output is also the next conv's input) is usually unpacked twice in a row, and this
         # decodes it once. Holds at most one decoded tensor, dropped with its record.
         self._recent: tuple[weakref.ref, torch.Tensor] | None = None
-        # Which torch function is running (ReLU masks, and the consumers the adaptive policy weighs).
-        self._track_ops = (config.masks or getattr(self.policy, "needs_ops", False)
-                           or getattr(self.codec, "takes_consumer", False))
+        # Which torch function is running: ReLU masks, the consumers the adaptive policy weighs, and
+        # fused attention's saves, which keep 8 bits whatever the policy says.
         self._trackers: list[OpTracker] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -86,6 +88,7 @@ class Session:
         self.sites.reset()
         self._rows = []
         self._shared.clear()
+        self._counted.clear()
         self._parameters_referenced = 0
         self._parameter_storages = set()
         if model is not None:
@@ -133,6 +136,8 @@ class Session:
         if values is not None:
             return self._put_mask(site, tensor, encode_mask(tensor, values), shareable=True)
         bits = self.policy.bits_for(site, tensor)
+        if bits and call is not None and call.is_fused_attention_save(tensor):
+            bits = max(bits, SOFTMAX_RECOMPUTE_BITS)
         if bits == 0:
             self._record(site, tensor, None, tensor.numel() * tensor.element_size(), "raw")
             return tensor
@@ -232,6 +237,12 @@ class Session:
 
     def _record(self, site: str, tensor: torch.Tensor, bits: int | None, stored: int, kind: str) -> None:
         raw = 0 if kind == "shared" else tensor.numel() * tensor.element_size()
+        if raw:
+            key = self._key(tensor)
+            earlier = self._counted.get(key)
+            if earlier is not None and earlier[0]() is tensor:  # not a new tensor at a freed address
+                self._rows[earlier[1]] = replace(self._rows[earlier[1]], raw_bytes=0)
+            self._counted[key] = (weakref.ref(tensor), len(self._rows))
         source = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "no history"
         self._rows.append(SiteRow(site, source, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
                                   bits, raw, stored, kind))
@@ -255,24 +266,22 @@ class Session:
 
 
 class _Hooks:
-    """Saved-tensor hooks of a session, plus its op tracker when masks or the policy need one."""
+    """Saved-tensor hooks of a session, plus its op tracker."""
 
     def __init__(self, session: Session) -> None:
         self._session = session
         self._saved = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
-        self._tracker = OpTracker(session._op_done) if session._track_ops else None
+        self._tracker = OpTracker(session._op_done)
 
     def __enter__(self) -> "_Hooks":
         self._saved.__enter__()
-        if self._tracker is not None:
-            self._tracker.__enter__()
-            self._session._trackers.append(self._tracker)
+        self._tracker.__enter__()
+        self._session._trackers.append(self._tracker)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._tracker is not None:
-            self._session._trackers.remove(self._tracker)
-            self._tracker.__exit__(*exc)
+        self._session._trackers.remove(self._tracker)
+        self._tracker.__exit__(*exc)
         self._saved.__exit__(*exc)
 
 

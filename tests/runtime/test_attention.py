@@ -1,0 +1,72 @@
+"""Fused attention recomputes softmax from saved q, k and an exact logsumexp: its saves keep 8 bits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import daf
+from daf.runtime import session as session_module
+from daf.runtime.ops import SOFTMAX_RECOMPUTE_BITS
+
+
+class Attention(torch.nn.Module):
+    """One causal attention head block; ``sharpness`` scales the logits (trained LMs reach ~10-30)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, sharpness: float = 1.0) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+        self.heads, self.sharpness = heads, sharpness
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (part.reshape(b, t, self.heads, -1).transpose(1, 2) for part in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q * self.sharpness, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    model.zero_grad()
+    model(x).square().mean().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _fused_attention_saves_inputs() -> bool:
+    q = torch.randn(1, 1, 8, 8, requires_grad=True) * 1
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        F.scaled_dot_product_attention(q, q * 1, q * 1, is_causal=True)
+    return any(t is q for t in seen)
+
+
+needs_fused = pytest.mark.skipif(not _fused_attention_saves_inputs(),
+                                 reason="this build runs attention through its math path here")
+
+
+@needs_fused
+@pytest.mark.parametrize("masks", [True, False])
+@pytest.mark.parametrize("policy,bits", [("uniform", 2), ("uniform", 1), ("adaptive", 2.0)])
+def test_fused_attention_saves_keep_eight_bits(policy, bits, masks):
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(4, 64, 64)
+    daf.wrap(model, bits=bits, policy=policy, masks=masks, min_numel=1)
+    model(x).sum().backward()
+    rows = [r for r in daf.report(model).rows if r.kind == "compressed"]
+    attention = [r for r in rows if r.shape == (4, 4, 64, 16)]  # q (scaled), k, v, output
+    others = [r for r in rows if r.shape != (4, 4, 64, 16)]     # the linear layers' inputs
+    assert len(attention) == 4 and all(r.bits == SOFTMAX_RECOMPUTE_BITS for r in attention)
+    assert others and all(r.bits < SOFTMAX_RECOMPUTE_BITS for r in others)
+
+
+@needs_fused
+@pytest.mark.parametrize("sharpness", [4.0, 30.0])
+def test_sharp_attention_at_two_bits_needs_the_rule(monkeypatch, sharpness):
+    torch.manual_seed(0)
+    model, x = Attention(sharpness=sharpness), torch.randn(4, 64, 64)
+    reference = _grads(model, x)
+    daf.wrap(model, bits=2, min_numel=1)
+    kept = _grads(model, x)
+    assert torch.isfinite(kept).all() and F.cosine_similarity(kept, reference, dim=0) > 0.97
+    monkeypatch.setattr(session_module, "SOFTMAX_RECOMPUTE_BITS", 2)
+    broken = _grads(model, x)  # the same codes for q, k, v and the output as for everything else
+    assert not torch.isfinite(broken).all() or F.cosine_similarity(broken, reference, dim=0) < 0.5
