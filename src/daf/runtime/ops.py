@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS", "SOFTMAX_RECOMPUTE_BITS"]
+__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS", "SOFTMAX_RECOMPUTE_BITS", "backward_exponentiates"]
 
 
 def _relu_functions() -> frozenset:
@@ -85,6 +85,16 @@ class OpCall:
             if given is tensor:
                 return True
         return False
+
+
+def backward_exponentiates(call: OpCall | None, tensor: torch.Tensor) -> bool:
+    """Whether backward feeds ``tensor`` (or what it recomputes from it) to exp(), where a coarse code's
+    additive error becomes a multiplicative one: fused attention's saves, and log_softmax's output
+    (``cross_entropy`` saves it; its backward is ``grad - exp(output) * sum(grad)``: at 2 bits SmolLM2's
+    gradient was off by 1300x its norm). These keep SOFTMAX_RECOMPUTE_BITS at least."""
+    if tensor.grad_fn is not None and type(tensor.grad_fn).__name__ == "LogSoftmaxBackward0":
+        return True
+    return call is not None and call.is_fused_attention_save(tensor)
 
 
 class OpTracker(TorchFunctionMode):

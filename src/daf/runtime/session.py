@@ -21,7 +21,7 @@ from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
 from daf.report import Report, SiteRow
 from daf.runtime.background import BackgroundPacker
-from daf.runtime.ops import SOFTMAX_RECOMPUTE_BITS, OpCall, OpTracker
+from daf.runtime.ops import SOFTMAX_RECOMPUTE_BITS, OpCall, OpTracker, backward_exponentiates
 from daf.runtime.sites import SiteTracker
 
 __all__ = ["Session"]
@@ -79,7 +79,7 @@ class Session:
         # decodes it once. Holds at most one decoded tensor, dropped with its record.
         self._recent: tuple[weakref.ref, torch.Tensor] | None = None
         # Which torch function is running: ReLU masks, the consumers the adaptive policy weighs, and
-        # fused attention's saves, which keep 8 bits whatever the policy says.
+        # what backward exponentiates (fused attention's saves), kept at 8 bits whatever the policy says.
         self._trackers: list[OpTracker] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -136,7 +136,7 @@ class Session:
         if values is not None:
             return self._put_mask(site, tensor, encode_mask(tensor, values), shareable=True)
         bits = self.policy.bits_for(site, tensor)
-        if bits and call is not None and call.is_fused_attention_save(tensor):
+        if bits and backward_exponentiates(call, tensor):
             bits = max(bits, SOFTMAX_RECOMPUTE_BITS)
         if bits == 0:
             self._record(site, tensor, None, tensor.numel() * tensor.element_size(), "raw")
