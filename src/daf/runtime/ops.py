@@ -37,7 +37,7 @@ RELU_FUNCTIONS = _relu_functions()
 # logsumexp, and exp() turns the shift into a multiplicative error (SmolLM2 at 2 bits diverged to NaN
 # in two steps); coarse v and out break the cancellation of that subtraction where attention is
 # sharp. All four keep 8 bits at least: on a causal head with logits ~30, 2 bits elsewhere and 8 here
-# gives gradients at cosine 0.985 to fp32, against NaN with 2 bits here (tests/runtime/test_attention.py).
+# gives gradients at cosine 0.985 to fp32, against NaN with 2 bits here (tests/runtime/test_backward_exp.py).
 # The math path (used with dropout) saves its own intermediates and is left to the policy.
 SOFTMAX_RECOMPUTE_BITS = 8
 _ATTENTION_INPUTS = (("query", 0), ("key", 1), ("value", 2))
@@ -45,7 +45,7 @@ _ATTENTION_INPUTS = (("query", 0), ("key", 1), ("value", 2))
 
 def _attention_functions() -> frozenset:
     import torch.nn.functional as F
-    return frozenset({F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention})
+    return frozenset({F.scaled_dot_product_attention})
 
 
 ATTENTION_FUNCTIONS = _attention_functions()
