@@ -42,8 +42,6 @@ class AdaptivePolicy(Policy):
     ``bits_for`` is O(1); a re-plan costs O(sites * 5 * cells) (``daf.policy.allocator``).
     """
 
-    needs_ops = True
-
     def __init__(self, average: float, group_size: int = 256, replan_every: int = 50,
                  choices: tuple[int, ...] = ALLOWED_BITS, allow_raw: bool = True, window: int = 4,
                  smoothing: float = 0.7, min_gain: float = 0.25) -> None:

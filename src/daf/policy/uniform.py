@@ -10,13 +10,7 @@ __all__ = ["Policy", "UniformPolicy"]
 
 
 class Policy:
-    """What the runtime asks of a bit policy. Subclasses override what they need.
-
-    ``needs_ops``: whether the policy wants ``watch_op`` calls (which op saved each tensor,
-    and its output), which costs one Python call per torch function in forward.
-    """
-
-    needs_ops = False
+    """What the runtime asks of a bit policy. Subclasses override what they need."""
 
     def bits_for(self, site: str, x: torch.Tensor) -> int:
         """Bits for the tensor saved at ``site``; 0 keeps it raw."""
@@ -34,7 +28,7 @@ class Policy:
         """Called for every compressed tensor; a policy may hook gradients here."""
 
     def watch_op(self, call: Any) -> None:
-        """With ``needs_ops``: called after each torch function that saved stored tensors
+        """Called after each torch function that saved stored tensors
         (a ``daf.runtime.ops.OpCall``: the function, its arguments, output, and the saves)."""
 
     def close(self) -> None:
