@@ -36,17 +36,17 @@ def test_argument_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_unimplemented_policy_is_an_argument_error(capsys):
-    from daf.config import Config
-    from daf.policy import make_policy
-    try:
-        make_policy(Config(bits=2.5, policy="adaptive"))
-    except NotImplementedError:
-        with pytest.raises(SystemExit) as stop:
-            main(["train", "tiny-mnist", "--policy", "adaptive", "--bits", "2.5"])
-        assert stop.value.code == 2 and "--policy adaptive" in capsys.readouterr().err
-    else:
-        pytest.skip("the adaptive policy is implemented on this branch")
+def test_adaptive_policy_trains_and_a_bad_average_is_an_argument_error(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    code = main(["train", "tiny-mnist", "--steps", "3", *TINY, "--policy", "adaptive", "--bits", "2.5",
+                 "--json", str(path), "--no-plots"])
+    assert code == 0
+    config = json.loads(path.read_text())["runs"]["daf"]["config"]
+    assert config["policy"] == "adaptive" and config["bits"] == 2.5
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "tiny-mnist", "--policy", "adaptive", "--bits", "9"])
+    assert stop.value.code == 2 and "average in [1, 8]" in capsys.readouterr().err
 
 
 def test_workloads_lists_every_name(capsys):

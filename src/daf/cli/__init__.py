@@ -114,14 +114,9 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
         return options, None
     overrides = {"bits": 2, **given}
     try:
-        config = daf.Config(**overrides)
+        daf.Config(**overrides)
     except ValueError as error:
         parser.error(str(error))
-    try:
-        from daf.policy import make_policy
-        make_policy(config)
-    except NotImplementedError as error:
-        parser.error(f"--policy {config.policy}: {error}")
     return options, overrides
 
 
