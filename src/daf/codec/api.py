@@ -51,7 +51,9 @@ class Codec:
     def name(self) -> str:
         return f"minmax/{self.backend.name}"
 
-    def encode(self, x: torch.Tensor, bits: int, seed: int) -> Packed:
+    def encode(self, x: torch.Tensor, bits: int, seed: int, consumer: str | None = None) -> Packed:
+        """``consumer``: the name of the op saving ``x``, when known; codecs that treat a tensor by its
+        use read it (DIVISION), this one does not."""
         return encode(x, bits, self.group_size, self.rounding, seed, self.backend)
 
     def decode(self, packed: Packed) -> torch.Tensor:

@@ -90,8 +90,6 @@ def join(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
 class DivisionCodec(Codec):
     """DIVISION for 4-D activations, the minmax codec (same backend) for everything else."""
 
-    takes_consumer = True  # the session passes the name of the op saving the tensor
-
     def __init__(self, config: Config, backend: Backend | None = None) -> None:
         super().__init__(config, backend)
 

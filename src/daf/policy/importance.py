@@ -268,18 +268,20 @@ class ImportanceEstimator:
         self._param_handles[key] = p.register_hook(hook)
 
 
-def _variance(x: torch.Tensor, sample: int = 1 << 14) -> float:
-    """Variance of ``x`` over at most ``sample`` evenly strided elements. O(sample)."""
+def _strided_sample(x: torch.Tensor, sample: int = 1 << 14) -> torch.Tensor:
+    """At most ``sample`` evenly strided elements of ``x``, as float. O(sample)."""
     flat = x.detach().reshape(-1)
-    step = max(1, flat.numel() // sample)
-    return float(flat[::step].float().var()) if flat.numel() > 1 else 0.0
+    return flat[::max(1, flat.numel() // sample)].float()
 
 
-def _mean_square(x: torch.Tensor, sample: int = 1 << 14) -> float:
-    """Mean of ``x**2`` over at most ``sample`` evenly strided elements. O(sample)."""
-    flat = x.detach().reshape(-1)
-    step = max(1, flat.numel() // sample)
-    return float(flat[::step].float().square().mean()) if flat.numel() else 0.0
+def _variance(x: torch.Tensor) -> float:
+    """Variance of ``x`` over a strided sample. O(sample)."""
+    return float(_strided_sample(x).var()) if x.numel() > 1 else 0.0
+
+
+def _mean_square(x: torch.Tensor) -> float:
+    """Mean of ``x**2`` over a strided sample. O(sample)."""
+    return float(_strided_sample(x).square().mean()) if x.numel() else 0.0
 
 
 def _bn_weight(call: OpCall) -> torch.Tensor | None:

@@ -148,10 +148,7 @@ class Session:
             self._pending.append((saved, len(self._rows)))
             stored = 0  # filled in when the packed tensor is collected
         else:
-            if call is not None and getattr(self.codec, "takes_consumer", False):
-                packed = self.codec.encode(tensor, bits, seed, consumer=call.name)
-            else:
-                packed = self.codec.encode(tensor, bits, seed)
+            packed = self.codec.encode(tensor, bits, seed, consumer=call.name if call is not None else None)
             saved = _Saved(self.store, self.store.put(packed, importance, site), site)
             stored = packed.nbytes
         self._shared[key] = (weakref.ref(tensor), tensor._version, saved)

@@ -29,6 +29,12 @@ def check_positive(name: str, value: Any, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+def check_positive_number(name: str, value: Any) -> None:
+    """``ValueError`` unless ``value`` is a positive int or float (a learning rate)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
 def index_stream(n: int, batch_size: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
     """``steps`` index tensors int64 [batch_size] into ``range(n)``: seeded epoch permutations, concatenated.
 

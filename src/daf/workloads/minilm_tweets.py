@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from daf.workloads.base import Workload, check_positive, index_stream, seeded
+from daf.workloads.base import Workload, check_positive, check_positive_number, index_stream, seeded
 from daf.workloads.packages import offline_transformers, package_file, require_module
 from daf.workloads.text_batches import encode_padded, trim
 from daf.workloads.tweets import LABELS, load_tweets
@@ -51,8 +51,7 @@ class MiniLMTweets(Workload):
         super().__init__(seed, train_size, eval_size)
         check_positive("max_length", max_length)
         check_positive("rank", rank)
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
-            raise ValueError(f"lr must be a positive number, got {lr!r}")
+        check_positive_number("lr", lr)
         self.max_length, self.rank, self.lr = max_length, rank, float(lr)
         self._tokens: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._tokenizer: Any = None

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from daf.workloads.base import check_positive, seeded
+from daf.workloads.base import check_positive, check_positive_number, seeded
 from daf.workloads.fashion_mnist import load_fashion_mnist
 from daf.workloads.image_classification import ImageClassification
 from daf.workloads.resnet import ResNet18
@@ -35,8 +35,7 @@ class ResNet18FashionMNIST(ImageClassification):
                  width: int = 64, max_lr: float = 0.1) -> None:
         super().__init__(seed, train_size, eval_size)
         check_positive("width", width)
-        if not isinstance(max_lr, (int, float)) or isinstance(max_lr, bool) or max_lr <= 0:
-            raise ValueError(f"max_lr must be a positive number, got {max_lr!r}")
+        check_positive_number("max_lr", max_lr)
         self.width, self.max_lr = width, float(max_lr)
 
     def _load(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from daf.workloads.base import Workload, check_positive, index_stream, seeded
+from daf.workloads.base import Workload, check_positive, check_positive_number, index_stream, seeded
 from daf.workloads.packages import offline_transformers, package_file, require_module
 from daf.workloads.tweets import load_tweets
 
@@ -54,8 +54,7 @@ class SmolLMLoRA(Workload):
         super().__init__(seed, train_size, eval_size)
         check_positive("seq_len", seq_len)
         check_positive("rank", rank)
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
-            raise ValueError(f"lr must be a positive number, got {lr!r}")
+        check_positive_number("lr", lr)
         self.seq_len, self.rank, self.lr = seq_len, rank, float(lr)
         self._blocks: dict[str, torch.Tensor] = {}
         self._tokenizer: Any = None
