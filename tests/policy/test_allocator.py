@@ -51,6 +51,27 @@ def test_arbitrary_cost_tables_and_sizes(spec, average):
     assert math.isclose(plan.cost, best.cost, rel_tol=1e-9, abs_tol=1e-12)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 16).map(lambda k: 256 * k), st.integers(0, 48).map(lambda k: 256 * k),
+                          st.floats(0.0, 1e3)), min_size=1, max_size=5),
+       st.sampled_from([1.0, 1.5, 2.0, 3.0]))
+def test_sites_storing_part_of_their_elements(spec, average):
+    """A site that needs codes for ``size`` of its ``elements`` (a ReLU output's nonzeros) buys bits
+    per stored element but counts all its elements in the average."""
+    sites = [Site(f"s{i}", size, variance_costs(c, CHOICES), size + extra) for i, (size, extra, c) in enumerate(spec)]
+    plan = allocate(sites, average)
+    best = brute_force(sites, average)
+    assert plan.exact and math.isclose(plan.cost, best.cost, rel_tol=1e-9, abs_tol=1e-12)
+    assert sum(s.size * plan.bits[s.name] for s in sites) <= average * sum(s.elements for s in sites)
+    assert math.isclose(plan.mean_bits, sum(s.size * plan.bits[s.name] for s in sites)
+                        / sum(s.elements for s in sites))
+
+
+def test_a_half_empty_site_gets_twice_the_bits():
+    dense, sparse = _site(0, 4096, 1.0), Site("s1", 2048, variance_costs(1.0, CHOICES), 4096)
+    assert allocate([dense, sparse], 2.0).bits == {"s0": 2, "s1": 4}
+
+
 def test_large_problem_coarsens_but_stays_within_budget():
     sites = [_site(i, 256 * (1000 + 37 * i), 1.0 + (i % 7) ** 3, raw=True) for i in range(60)]
     plan = allocate(sites, 2.0, max_cells=1 << 12)
@@ -83,6 +104,8 @@ def test_bad_average(bad):
 def test_bad_sites():
     with pytest.raises(ValueError, match="size"):
         Site("a", 0, {2: 1.0})
+    with pytest.raises(ValueError, match="elements"):
+        Site("a", 512, {2: 1.0}, 256)
     with pytest.raises(ValueError, match="finite"):
         Site("a", 256, {2: float("inf")})
     with pytest.raises(ValueError, match="positive bit counts"):

@@ -24,7 +24,7 @@ import torch
 
 from daf.format import Packed, flatten_memory_order, restore_memory_order
 
-__all__ = ["MaskPacked", "two_values", "encode_mask", "encode_relu_mask", "decode_mask", "mask_bytes",
+__all__ = ["MaskPacked", "two_values", "encode_mask", "encode_relu_mask", "decode_mask", "mask_bits", "mask_bytes",
            "MASK_DTYPES"]
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
@@ -125,6 +125,11 @@ def encode_relu_mask(result: torch.Tensor) -> MaskPacked:
         raise ValueError(f"encode_relu_mask takes ReLU's floating-point output, got {result.dtype}")
     flat, order = flatten_memory_order(result.detach())
     return MaskPacked(_pack_bits(flat > 0), tuple(result.shape), order, result.dtype, 1, 0, low=0.0, high=1.0)
+
+
+def mask_bits(packed: MaskPacked) -> torch.Tensor:
+    """The mask's bits in memory order: bool [numel] (for a ReLU mask, where the output is > 0). O(numel)."""
+    return _unpack_bits(packed.payload, packed.numel)
 
 
 def decode_mask(packed: MaskPacked) -> torch.Tensor:

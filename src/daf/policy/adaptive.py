@@ -42,6 +42,8 @@ class AdaptivePolicy(Policy):
     ``bits_for`` is O(1); a re-plan costs O(sites * 5 * cells) (``daf.policy.allocator``).
     """
 
+    codes_nonzeros_only = True
+
     def __init__(self, average: float, group_size: int = 256, replan_every: int = 50,
                  choices: tuple[int, ...] = ALLOWED_BITS, allow_raw: bool = True, window: int = 4,
                  smoothing: float = 0.7, min_gain: float = 0.25) -> None:
@@ -65,12 +67,14 @@ class AdaptivePolicy(Policy):
         self.plan: Plan | None = None
         self.plans = 0
         self._step = 0
+        self._credit = 0  # element-bits the planned sites of this forward left unused so far
         self._watching = True
         self._importance: dict[str, float] = {}
 
     # -- the Policy interface ----------------------------------------------------------------
     def on_forward_start(self, step: int) -> None:
         self._step = step
+        self._credit = 0
         self.estimator.begin_step()
         if step >= 1 and (self.plan is None or step % self.replan_every == 0):
             self.replan()
@@ -78,16 +82,26 @@ class AdaptivePolicy(Policy):
         self._watching = self.plan is None or until_next <= self.window
 
     def bits_for(self, site: str, x: torch.Tensor) -> int:
+        """The plan's bits for ``site``; fewer if ``x`` has grown past the element-bits the plan gave it
+        plus what the sites before it in this forward left unused (the nonzeros of a ReLU output vary
+        from step to step). So the planned sites never store more than the plan, at every step."""
         if self.plan is None:
             return self.default_bits
         bits = self.plan.bits.get(site)
         if bits is None:
             return self.default_bits
-        return 0 if bits > max(self.choices) else bits
+        if bits > max(self.choices):
+            return 0
+        available = self.plan.sizes.get(site, 0) * bits + self._credit
+        stored = -(-x.numel() // self.group_size) * self.group_size
+        while stored * bits > available and bits > self.choices[0]:
+            bits = max(b for b in self.choices if b < bits)
+        self._credit = max(0, available - stored * bits)
+        return bits
 
-    def watch(self, site: str, x: torch.Tensor, bits: int) -> None:
+    def watch(self, site: str, x: torch.Tensor, bits: int, elements: int | None = None) -> None:
         if self._watching:
-            self.estimator.observe_tensor(site, x)
+            self.estimator.observe_tensor(site, x, elements)
 
     def watch_op(self, call: OpCall) -> None:
         if self._watching:
@@ -126,24 +140,25 @@ class AdaptivePolicy(Policy):
     def replan(self) -> Plan | None:
         """Solve the allocation from the current estimates; sites without one keep the default bits."""
         sites = []
-        fixed_size = fixed_bits = 0
+        fixed_elements = fixed_bits = 0
         for name, stats in self.estimator.sites.items():
             size = -(-stats.numel // self.group_size) * self.group_size
+            elements = max(size, -(-stats.elements // self.group_size) * self.group_size)
             costs = self.estimator.costs(name)
             if size == 0:
                 continue
             if costs is None:
-                fixed_size += size
+                fixed_elements += elements
                 fixed_bits += size * self.default_bits
                 continue
-            if self.allow_raw:
+            if self.allow_raw and elements == size:  # raw keeps every element, zeros too
                 costs[stats.dtype_bits if stats.dtype_bits > max(self.choices) else RAW_BITS] = 0.0
-            sites.append(Site(name, size, costs))
+            sites.append(Site(name, size, costs, elements))
         if not sites:
             return None
-        total = sum(s.size for s in sites) + fixed_size
+        total = sum(s.elements for s in sites) + fixed_elements
         # sites without an estimate keep the default bits; the rest share what is left
-        average = (self.average * total - fixed_bits) / (total - fixed_size)
+        average = (self.average * total - fixed_bits) / (total - fixed_elements)
         plan = allocate(sites, max(average, min(self.choices)))
         self.estimated_gain = None
         if self.default_bits <= average:
@@ -161,7 +176,7 @@ class AdaptivePolicy(Policy):
 
 
 def _plan_of(bits: dict[str, int], sites: list[Site], average: float) -> Plan:
-    total = sum(s.size for s in sites)
+    total = sum(s.elements for s in sites)
     return Plan(bits, sum(s.costs[bits[s.name]] for s in sites), sum(s.size * bits[s.name] for s in sites) / total,
                 average, True, 1, {s.name: s.size for s in sites})
 

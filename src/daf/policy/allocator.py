@@ -1,13 +1,16 @@
 """Bit allocation: the bits of every site that minimize the estimated gradient variance under a budget.
 
-The problem is a multiple-choice knapsack. Site ``i`` holds ``size_i`` elements and
+The problem is a multiple-choice knapsack. Site ``i`` stores ``size_i`` elements and
 offers a few choices ``b`` (bits per element: 1, 2, 4, 8, and 32 for "keep raw"),
 each with an estimated cost ``cost_i(b)`` (the gradient variance it adds; for
 stochastic rounding on a linear consumer ``C_i / (2**b - 1)**2``, 0 when raw)::
 
-    minimize  sum_i cost_i(b_i)   subject to   sum_i size_i * b_i <= floor(average * sum_i size_i)
+    minimize  sum_i cost_i(b_i)   subject to   sum_i size_i * b_i <= floor(average * sum_i elements_i)
 
-so the size-weighted mean of the chosen bits never exceeds ``average``.
+``elements_i`` is how many elements of the activation the site stands for: its
+``size`` unless only part of them needs codes (a ReLU output whose zeros its exact
+mask already gives: ``size`` counts the nonzeros). So the bits stored per element
+of the activations never exceed ``average``.
 
 ``allocate`` solves it by dynamic programming over the budget. Weights are
 counted in units of ``u`` element-bits: ``u`` is the greatest common divisor of
@@ -55,15 +58,22 @@ def variance_costs(c: float, choices: tuple[int, ...] = DEFAULT_CHOICES, raw: bo
 
 @dataclass(frozen=True)
 class Site:
-    """One allocation unit: ``size`` elements (int > 0) and ``costs`` {bits: estimated variance >= 0}."""
+    """One allocation unit: ``size`` stored elements (int > 0), ``costs`` {bits: estimated variance >= 0},
+    and the ``elements`` of the activation it counts for in the average (>= size; default: size)."""
 
     name: str
     size: int
     costs: dict[int, float]
+    elements: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size <= 0:
             raise ValueError(f"Site.size must be a positive integer, got {self.size!r} for site {self.name!r}")
+        if self.elements == 0:
+            object.__setattr__(self, "elements", self.size)
+        if isinstance(self.elements, bool) or not isinstance(self.elements, int) or self.elements < self.size:
+            raise ValueError(f"Site.elements must be an integer >= size ({self.size}), got {self.elements!r} "
+                             f"for site {self.name!r}")
         if not self.costs:
             raise ValueError(f"Site.costs must offer at least one choice, got none for site {self.name!r}")
         for bits, cost in self.costs.items():
@@ -76,7 +86,8 @@ class Site:
 
 @dataclass
 class Plan:
-    """The chosen bits per site, what they cost and how much of the budget they use."""
+    """The chosen bits per site, what they cost and how much of the budget they use
+    (``mean_bits``: stored code bits per element of the activations)."""
 
     bits: dict[str, int]
     cost: float
@@ -104,7 +115,7 @@ def _capacity(average: float, total: int) -> int:
 
 
 def allocate(sites: list[Site], average: float, max_cells: int = _MAX_CELLS) -> Plan:
-    """The choice per site of least total cost with ``sum(size * bits) <= floor(average * sum(size))``.
+    """The choice per site of least total cost with ``sum(size * bits) <= floor(average * sum(elements))``.
 
     Raises ``ValueError`` when even the cheapest choice of every site passes the budget.
     Time O(n * k * cells), memory O(n * cells), cells <= ``max_cells`` (see the module docstring).
@@ -115,7 +126,7 @@ def allocate(sites: list[Site], average: float, max_cells: int = _MAX_CELLS) -> 
     names = [s.name for s in sites]
     if len(set(names)) != len(names):
         raise ValueError("allocate needs distinct site names")
-    total = sum(s.size for s in sites)
+    total = sum(s.elements for s in sites)
     capacity = _capacity(average, total)
     low = [min(s.costs) for s in sites]
     spare = capacity - sum(s.size * b for s, b in zip(sites, low))
@@ -183,7 +194,7 @@ def _fill(sites: list[Site], chosen: list[int], capacity: int) -> None:
 
 
 def _plan(sites: list[Site], chosen: list[int], average: float, exact: bool, unit: int) -> Plan:
-    total = sum(s.size for s in sites)
+    total = sum(s.elements for s in sites)
     used = sum(s.size * b for s, b in zip(sites, chosen))
     cost = sum(s.costs[b] for s, b in zip(sites, chosen))
     return Plan({s.name: b for s, b in zip(sites, chosen)}, cost, used / total, float(average), exact, unit,
@@ -199,7 +210,7 @@ def brute_force(sites: list[Site], average: float) -> Plan:
     _check_average(average)
     import itertools
 
-    total = sum(s.size for s in sites)
+    total = sum(s.elements for s in sites)
     capacity = _capacity(average, total)
     best: tuple[float, list[int]] | None = None
     for combo in itertools.product(*[sorted(s.costs) for s in sites]):

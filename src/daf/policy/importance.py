@@ -91,7 +91,8 @@ def rounding_variance(x: torch.Tensor, group_size: int, choices: tuple[int, ...]
 class SiteStats:
     """What is known about one site; ``weight * variance[b]`` is its estimated cost at ``b`` bits."""
 
-    numel: int = 0
+    numel: int = 0  # elements stored
+    elements: int = 0  # elements of the activation (more than numel when the zeros need no codes)
     dtype_bits: int = 32
     variance: torch.Tensor | None = None  # V(b) per choice, smoothed
     data_var: float = 0.0
@@ -133,11 +134,23 @@ class ImportanceEstimator:
         self._calls = 0
         self._input_var.clear()
 
-    def observe_tensor(self, site: str, x: torch.Tensor) -> None:
-        """Measure ``V(b)`` and ``Var(x)`` of a tensor stored at ``site``. O(sample)."""
+    def observe_tensor(self, site: str, x: torch.Tensor, elements: int | None = None) -> None:
+        """Measure ``V(b)`` and ``Var(x)`` of a tensor stored at ``site``. O(sample).
+
+        ``elements``: when ``x`` holds only part of the activation (the nonzeros of a ReLU
+        output, its zeros given exactly by the mask), the activation's element count. The
+        others carry no error, so ``V(b)``, a mean over the activation, is scaled by
+        ``x.numel() / elements``.
+        """
         variance, data_var = rounding_variance(x, self.group_size, self.choices, self.max_groups)
+        if elements:
+            density = x.numel() / elements
+            variance = variance * density
+            sample = _strided_sample(x)
+            data_var = density * float(sample.square().mean()) - (density * float(sample.mean())) ** 2
         stats = self.sites.setdefault(site, SiteStats())
         stats.numel = x.numel()
+        stats.elements = elements or x.numel()
         stats.dtype_bits = x.element_size() * 8
         a = self.smoothing if stats.variance is not None else 0.0
         stats.variance = variance if stats.variance is None else a * stats.variance + (1 - a) * variance

@@ -12,6 +12,11 @@ __all__ = ["Policy", "UniformPolicy"]
 class Policy:
     """What the runtime asks of a bit policy. Subclasses override what they need."""
 
+    # Whether the codes of a ReLU output saved by a later op may cover its nonzeros only (its zeros
+    # come exactly from ReLU's own 1-bit mask): the session then passes that op's save to
+    # ``bits_for``, ``watch`` and the codec as the 1-D tensor of the nonzeros.
+    codes_nonzeros_only = False
+
     def bits_for(self, site: str, x: torch.Tensor) -> int:
         """Bits for the tensor saved at ``site``; 0 keeps it raw."""
         raise NotImplementedError
@@ -24,8 +29,9 @@ class Policy:
     def on_forward_start(self, step: int) -> None:
         """Called before each compressed forward, with the number of forwards so far."""
 
-    def watch(self, site: str, x: torch.Tensor, bits: int) -> None:
-        """Called for every compressed tensor; a policy may hook gradients here."""
+    def watch(self, site: str, x: torch.Tensor, bits: int, elements: int | None = None) -> None:
+        """Called for every compressed tensor; a policy may hook gradients here. ``elements``: the
+        activation's element count when ``x`` holds only its nonzeros (``codes_nonzeros_only``)."""
 
     def watch_op(self, call: Any) -> None:
         """Called after each torch function that saved stored tensors

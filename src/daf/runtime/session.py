@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from daf.codec import Codec, make_codec
-from daf.codec.mask import MASK_DTYPES, MaskPacked, decode_mask, encode_mask, encode_relu_mask, two_values
+from daf.codec.mask import (MASK_DTYPES, MaskPacked, decode_mask, encode_mask, encode_relu_mask, mask_bits,
+                            two_values)
 from daf.config import Config
-from daf.format import FLOAT_DTYPES
+from daf.format import FLOAT_DTYPES, flatten_memory_order, restore_memory_order
 from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
 from daf.report import Report, SiteRow
@@ -35,13 +36,17 @@ class _Saved:
     The same object is returned for every op that saves the same tensor, so the
     record is released exactly once, when autograd drops the last of them. Under
     background packing ``ref`` is None and ``pending`` holds the future and the
-    importance until the session puts the result into the store.
+    importance until the session puts the result into the store. A record of the
+    nonzeros of a ReLU output holds ``mask`` (the ``_Saved`` of ReLU's own 1-bit mask,
+    which says where they go; kept alive with it) and ``layout`` (shape, order, dtype).
     """
 
-    __slots__ = ("store", "ref", "site", "pending", "__weakref__")
+    __slots__ = ("store", "ref", "site", "pending", "mask", "layout", "__weakref__")
 
-    def __init__(self, store: Store, ref: int | None, site: str, pending: tuple[Future, float] | None = None) -> None:
+    def __init__(self, store: Store, ref: int | None, site: str, pending: tuple[Future, float] | None = None,
+                 mask: "_Saved | None" = None, layout: tuple | None = None) -> None:
         self.store, self.ref, self.site, self.pending = store, ref, site, pending
+        self.mask, self.layout = mask, layout
 
     def __del__(self) -> None:
         if self.ref is None:
@@ -67,6 +72,9 @@ class Session:
         self._rows: list[SiteRow] = []
         self._last_rows: list[SiteRow] = []
         self._shared: dict[tuple, tuple[weakref.ref, int, _Saved]] = {}
+        # ReLU masks of this forward by tensor: a later save of the same ReLU output may store codes
+        # for its nonzeros only (``Policy.codes_nonzeros_only``), the mask giving the zeros exactly.
+        self._relu_masks: dict[tuple, tuple[weakref.ref, int, _Saved]] = {}
         # Which report row counts each tensor's raw bytes: ReLU's output is stored twice (a mask for
         # ReLU, codes for the next op) but autograd without DAF would hold it once; the last row counts it.
         self._counted: dict[tuple, tuple[weakref.ref, int]] = {}
@@ -88,6 +96,7 @@ class Session:
         self.sites.reset()
         self._rows = []
         self._shared.clear()
+        self._relu_masks.clear()
         self._counted.clear()
         self._parameters_referenced = 0
         self._parameter_storages = set()
@@ -100,6 +109,7 @@ class Session:
         self._collect_pending()
         self.forwards += 1
         self._shared.clear()
+        self._relu_masks.clear()
         self._last_rows = self._rows
 
     def hooks(self) -> "_Hooks":
@@ -116,7 +126,9 @@ class Session:
         if self.config.masks and call is not None and call.is_relu and self._is_relu_result(tensor):
             # ReLU's own save: its backward reads only ``result > 0``. Never shared: the next op
             # that saves this tensor needs its values and gets a record of its own.
-            return self._put_mask(site, tensor, encode_relu_mask(tensor), shareable=False)
+            saved = self._put_mask(site, tensor, encode_relu_mask(tensor), shareable=False)
+            self._relu_masks[self._key(tensor)] = (weakref.ref(tensor), tensor._version, saved)
+            return saved
         if not self._compressible(tensor):
             values = self._two_values(tensor)
             if values is not None:
@@ -135,7 +147,8 @@ class Session:
         values = self._two_values(tensor)
         if values is not None:
             return self._put_mask(site, tensor, encode_mask(tensor, values), shareable=True)
-        bits = self.policy.bits_for(site, tensor)
+        mask, layout, data = self._nonzeros_of_relu_output(key, tensor)
+        bits = self.policy.bits_for(site, data)
         if bits and backward_exponentiates(call, tensor):
             bits = max(bits, SOFTMAX_RECOMPUTE_BITS)
         if bits == 0:
@@ -144,15 +157,15 @@ class Session:
         seed = self._next_seed()
         importance = self.policy.importance(site, self._packs)
         if self.packer is not None:
-            saved = _Saved(self.store, None, site, (self.packer.submit(tensor, bits, seed), importance))
+            saved = _Saved(self.store, None, site, (self.packer.submit(data, bits, seed), importance), mask, layout)
             self._pending.append((saved, len(self._rows)))
             stored = 0  # filled in when the packed tensor is collected
         else:
-            packed = self.codec.encode(tensor, bits, seed, consumer=call.name if call is not None else None)
-            saved = _Saved(self.store, self.store.put(packed, importance, site), site)
+            packed = self.codec.encode(data, bits, seed, consumer=call.name if call is not None else None)
+            saved = _Saved(self.store, self.store.put(packed, importance, site), site, None, mask, layout)
             stored = packed.nbytes
         self._shared[key] = (weakref.ref(tensor), tensor._version, saved)
-        self.policy.watch(site, tensor, bits)
+        self.policy.watch(site, data, bits, tensor.numel() if mask is not None else None)
         if call is not None:
             call.saves.append((site, tensor))
         self._record(site, tensor, bits, stored, "compressed")
@@ -165,6 +178,22 @@ class Session:
             self._shared[self._key(tensor)] = (weakref.ref(tensor), tensor._version, saved)
         self._record(site, tensor, 1, packed.nbytes, "mask")
         return saved
+
+    def _nonzeros_of_relu_output(self, key: tuple, tensor: torch.Tensor) -> tuple[_Saved | None, tuple | None,
+                                                                                  torch.Tensor]:
+        """(ReLU's mask record, layout, the nonzeros in memory order) when this tensor is a ReLU output
+        whose mask this forward stored and the policy takes codes for nonzeros only; else
+        (None, None, tensor). A NaN (neither > 0 nor 0, so not where the mask says) keeps it whole."""
+        entry = self._relu_masks.get(key) if self.policy.codes_nonzeros_only else None
+        if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+            return None, None, tensor
+        flat, order = flatten_memory_order(tensor.detach())
+        positive = flat > 0
+        nonzeros = flat[positive]
+        if nonzeros.numel() < max(self.config.min_numel, 1) \
+                or nonzeros.numel() + int((flat == 0).sum()) != flat.numel():
+            return None, None, tensor
+        return entry[2], (tuple(tensor.shape), order, tensor.dtype), nonzeros
 
     def _two_values(self, tensor: torch.Tensor) -> tuple[float, float] | None:
         """The two values of a tensor that holds no more (stored exactly as a mask), else None."""
@@ -197,8 +226,21 @@ class Session:
             self._collect_pending()
         packed = self.store.get(saved.ref)
         tensor = decode_mask(packed) if isinstance(packed, MaskPacked) else self.codec.decode(packed)
+        if saved.mask is not None:
+            tensor = self._scatter_nonzeros(saved, tensor)
         self._recent = (weakref.ref(saved, self._forget_recent), tensor)
         return tensor
+
+    def _scatter_nonzeros(self, saved: _Saved, nonzeros: torch.Tensor) -> torch.Tensor:
+        """The ReLU output whose nonzeros ``saved`` holds: zeros where its mask says so."""
+        shape, order, dtype = saved.layout
+        positive = mask_bits(self.store.get(saved.mask.ref))
+        if int(positive.sum()) != nonzeros.numel():
+            raise RuntimeError(f"DAF: the record of site {saved.site} holds {nonzeros.numel()} nonzeros but its "
+                               f"ReLU mask has {int(positive.sum())} set bits; refusing to return wrong data")
+        flat = torch.zeros(positive.numel(), dtype=dtype, device=nonzeros.device)
+        flat[positive] = nonzeros.to(dtype)
+        return restore_memory_order(flat, shape, order)
 
     def _forget_recent(self, dead: weakref.ref) -> None:
         if self._recent is not None and self._recent[0] is dead:
