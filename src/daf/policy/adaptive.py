@@ -16,7 +16,10 @@ the per-site optimum measured by leave-one-in runs is only 0.7% better than unif
 Budget: over the sites the plan covers (the tensors quantized by the codec), the
 size-weighted mean of the bits is at most ``Config.bits``, sizes counted in whole
 groups (what the payload holds). A site may be kept raw: it then counts at its
-dtype's bits (32 for float32), honestly, and only where it fits the budget. Exact
+dtype's bits (32 for float32), honestly, and only where it fits the budget. A ReLU
+output saved by a later op stores codes for its nonzeros only (``codes_nonzeros_only``;
+its zeros come from ReLU's exact mask): it counts all its elements in the average and
+buys bits for the nonzeros alone (``Site.elements``, docs/policy.md section 3a). Exact
 1-bit masks (ReLU outputs, dropout masks) are stored alike by every policy and are
 outside the average; the report lists them as their own rows.
 """
