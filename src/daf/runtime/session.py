@@ -37,16 +37,16 @@ class _Saved:
     record is released exactly once, when autograd drops the last of them. Under
     background packing ``ref`` is None and ``pending`` holds the future and the
     importance until the session puts the result into the store. A record of the
-    nonzeros of a ReLU output holds ``mask`` (the ``_Saved`` of ReLU's own 1-bit mask,
-    which says where they go; kept alive with it) and ``layout`` (shape, order, dtype).
+    nonzeros of a ReLU output holds ``mask``: the ``_Saved`` of ReLU's own 1-bit mask,
+    kept alive with it, which says where they go and the output's shape, strides order
+    and dtype.
     """
 
-    __slots__ = ("store", "ref", "site", "pending", "mask", "layout", "__weakref__")
+    __slots__ = ("store", "ref", "site", "pending", "mask", "__weakref__")
 
     def __init__(self, store: Store, ref: int | None, site: str, pending: tuple[Future, float] | None = None,
-                 mask: "_Saved | None" = None, layout: tuple | None = None) -> None:
-        self.store, self.ref, self.site, self.pending = store, ref, site, pending
-        self.mask, self.layout = mask, layout
+                 mask: "_Saved | None" = None) -> None:
+        self.store, self.ref, self.site, self.pending, self.mask = store, ref, site, pending, mask
 
     def __del__(self) -> None:
         if self.ref is None:
@@ -139,7 +139,7 @@ class Session:
             return tensor
         key = self._key(tensor)
         hit = self._shared.get(key)
-        if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+        if _holds(hit, tensor):
             self._record(site, tensor, None, 0, "shared")
             if call is not None and isinstance(hit[2], _Saved):
                 call.saves.append((hit[2].site, tensor))
@@ -147,7 +147,7 @@ class Session:
         values = self._two_values(tensor)
         if values is not None:
             return self._put_mask(site, tensor, encode_mask(tensor, values), shareable=True)
-        mask, layout, data = self._nonzeros_of_relu_output(key, tensor)
+        mask, data = self._nonzeros_of_relu_output(key, tensor)
         bits = self.policy.bits_for(site, data)
         if bits and backward_exponentiates(call, tensor):
             bits = max(bits, SOFTMAX_RECOMPUTE_BITS)
@@ -157,12 +157,12 @@ class Session:
         seed = self._next_seed()
         importance = self.policy.importance(site, self._packs)
         if self.packer is not None:
-            saved = _Saved(self.store, None, site, (self.packer.submit(data, bits, seed), importance), mask, layout)
+            saved = _Saved(self.store, None, site, (self.packer.submit(data, bits, seed), importance), mask)
             self._pending.append((saved, len(self._rows)))
             stored = 0  # filled in when the packed tensor is collected
         else:
             packed = self.codec.encode(data, bits, seed, consumer=call.name if call is not None else None)
-            saved = _Saved(self.store, self.store.put(packed, importance, site), site, None, mask, layout)
+            saved = _Saved(self.store, self.store.put(packed, importance, site), site, None, mask)
             stored = packed.nbytes
         self._shared[key] = (weakref.ref(tensor), tensor._version, saved)
         self.policy.watch(site, data, bits, tensor.numel() if mask is not None else None)
@@ -179,21 +179,19 @@ class Session:
         self._record(site, tensor, 1, packed.nbytes, "mask")
         return saved
 
-    def _nonzeros_of_relu_output(self, key: tuple, tensor: torch.Tensor) -> tuple[_Saved | None, tuple | None,
-                                                                                  torch.Tensor]:
-        """(ReLU's mask record, layout, the nonzeros in memory order) when this tensor is a ReLU output
-        whose mask this forward stored and the policy takes codes for nonzeros only; else
-        (None, None, tensor). A NaN (neither > 0 nor 0, so not where the mask says) keeps it whole."""
+    def _nonzeros_of_relu_output(self, key: tuple, tensor: torch.Tensor) -> tuple[_Saved | None, torch.Tensor]:
+        """(ReLU's mask record, the nonzeros in memory order) when this tensor is a ReLU output whose
+        mask this forward stored and the policy takes codes for nonzeros only; else (None, tensor).
+        A NaN (neither > 0 nor 0, so not where the mask says) keeps it whole."""
         entry = self._relu_masks.get(key) if self.policy.codes_nonzeros_only else None
-        if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
-            return None, None, tensor
-        flat, order = flatten_memory_order(tensor.detach())
-        positive = flat > 0
-        nonzeros = flat[positive]
+        if not _holds(entry, tensor):
+            return None, tensor
+        flat, _ = flatten_memory_order(tensor.detach())  # the mask's order: it was made from this tensor
+        nonzeros = flat[flat > 0]
         if nonzeros.numel() < max(self.config.min_numel, 1) \
                 or nonzeros.numel() + int((flat == 0).sum()) != flat.numel():
-            return None, None, tensor
-        return entry[2], (tuple(tensor.shape), order, tensor.dtype), nonzeros
+            return None, tensor
+        return entry[2], nonzeros
 
     def _two_values(self, tensor: torch.Tensor) -> tuple[float, float] | None:
         """The two values of a tensor that holds no more (stored exactly as a mask), else None."""
@@ -233,14 +231,15 @@ class Session:
 
     def _scatter_nonzeros(self, saved: _Saved, nonzeros: torch.Tensor) -> torch.Tensor:
         """The ReLU output whose nonzeros ``saved`` holds: zeros where its mask says so."""
-        shape, order, dtype = saved.layout
-        positive = mask_bits(self.store.get(saved.mask.ref))
-        if int(positive.sum()) != nonzeros.numel():
+        mask = self.store.get(saved.mask.ref)
+        positive = mask_bits(mask)
+        count = int(positive.sum())
+        if count != nonzeros.numel():
             raise RuntimeError(f"DAF: the record of site {saved.site} holds {nonzeros.numel()} nonzeros but its "
-                               f"ReLU mask has {int(positive.sum())} set bits; refusing to return wrong data")
-        flat = torch.zeros(positive.numel(), dtype=dtype, device=nonzeros.device)
-        flat[positive] = nonzeros.to(dtype)
-        return restore_memory_order(flat, shape, order)
+                               f"ReLU mask has {count} set bits; refusing to return wrong data")
+        flat = torch.zeros(positive.numel(), dtype=mask.dtype, device=nonzeros.device)
+        flat[positive] = nonzeros.to(mask.dtype)
+        return restore_memory_order(flat, mask.shape, mask.order)
 
     def _forget_recent(self, dead: weakref.ref) -> None:
         if self._recent is not None and self._recent[0] is dead:
@@ -322,6 +321,12 @@ class _Hooks:
         self._session._trackers.remove(self._tracker)
         self._tracker.__exit__(*exc)
         self._saved.__exit__(*exc)
+
+
+def _holds(entry: tuple[weakref.ref, int, Any] | None, tensor: torch.Tensor) -> bool:
+    """Whether a ``(weakref, version, ...)`` table entry is about ``tensor`` as it is now (not another
+    tensor at a freed address, not modified in place since)."""
+    return entry is not None and entry[0]() is tensor and entry[1] == tensor._version
 
 
 def _splitmix64(x: int) -> int:
