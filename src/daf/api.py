@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from daf.allocator.native import install as install_allocator
 from daf.config import Config
 from daf.report import Report
 from daf.runtime import Session
@@ -67,6 +68,12 @@ def _config(config: Config | None, overrides: dict[str, Any]) -> Config:
     return base.replace(**overrides) if overrides else base
 
 
+def _session(config: Config) -> Session:
+    # The allocator first: the savings reach the process only if freed temporaries' memory is reused.
+    install_allocator(config.allocator)
+    return Session(config)
+
+
 def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn.Module:
     """Compress what ``model`` saves for backward while it trains; returns the same module.
 
@@ -84,7 +91,7 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
         raise ValueError(f"wrap takes a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already wrapped by DAF; call daf.unwrap(model) first to change its config")
-    session = Session(_config(config, overrides))
+    session = _session(_config(config, overrides))
     object.__setattr__(model, _ATTR, _Attachment(model, session))
     return model
 
@@ -127,7 +134,7 @@ def compress(model: nn.Module | None = None, config: Config | None = None, **ove
     >>> [row.kind for row in report(s).rows]  # the input has no autograd history: kept raw
     ['raw', 'compressed']
     """
-    session = Session(_config(config, overrides))
+    session = _session(_config(config, overrides))
     handles = session.sites.attach(model) if model is not None else []
     session.begin_forward(model)
     try:

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from daf.allocator.libraries import ALLOCATORS
+
 __all__ = ["Config", "parse_size", "ALLOWED_BITS"]
 
 ALLOWED_BITS = (1, 2, 4, 8)
@@ -26,6 +28,7 @@ _ROUNDINGS = ("stochastic", "nearest")
 _POLICIES = ("uniform", "adaptive")
 _CODECS = ("minmax", "division")
 _BACKENDS = ("auto", "native", "reference")
+_ALLOCATORS = ("auto", "system", *ALLOCATORS)
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -97,6 +100,10 @@ class Config:
         masks: store exact 1-bit masks where that is all backward needs: ReLU's own saved output
             (read by its backward only as ``result > 0``) and tensors holding two values (dropout
             masks, booleans). Lossless; on by default (docs/policy.md).
+        allocator: where PyTorch's CPU tensors come from once DAF is attached: "auto" (the best
+            allocator found, tcmalloc first), "system" (leave the process as it is), or "tcmalloc",
+            "jemalloc", "mimalloc". Process-wide by nature; the system malloc keeps freed
+            temporaries' memory, so without this the process barely shrinks (docs/allocator.md).
     """
 
     bits: float = 2
@@ -114,6 +121,7 @@ class Config:
     spill_dir: str | None = None
     background: bool = False
     masks: bool = True
+    allocator: str = "auto"
     version: int = field(default=CONFIG_VERSION, repr=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +146,7 @@ class Config:
             raise ValueError(f"Config.background must be True or False, got {self.background!r}")
         if not isinstance(self.masks, bool):
             raise ValueError(f"Config.masks must be True or False, got {self.masks!r}")
+        _check_choice("allocator", self.allocator, _ALLOCATORS)
         if self.version != CONFIG_VERSION:
             raise ValueError(f"Config.version {self.version} is not supported; this DAF reads version {CONFIG_VERSION}")
 

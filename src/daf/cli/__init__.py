@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from daf.allocator.libraries import ALLOCATORS
+
 __all__ = ["main", "build_parser"]
 
 _DAF_FLAGS = ("bits", "policy", "budget", "group_size", "backend")
@@ -64,6 +66,9 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     run.add_argument("--seed", type=_non_negative_int, default=0, help="seed of weights and data order (0)")
     run.add_argument("-O", "--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                      help="a workload option, e.g. -O width=16 -O train_size=2000 (repeatable)")
+    run.add_argument("--allocator", default="auto", choices=("auto", "system", *ALLOCATORS),
+                     help="where the run's CPU tensors come from: auto (the best found, tcmalloc first; "
+                          "default), system, or a name (docs/allocator.md)")
     run.add_argument("--trace-step", type=_non_negative_int, default=2,
                      help="the step whose activation bytes and memory timeline are recorded (2)")
     compress = parser.add_argument_group("DAF (passed to daf.Config)")
@@ -121,7 +126,8 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
 
 
 def _train_argv(args: argparse.Namespace, fp32: bool) -> list[str]:
-    argv = [args.workload, "--seed", str(args.seed), "--trace-step", str(args.trace_step), "--no-plots"]
+    argv = [args.workload, "--seed", str(args.seed), "--trace-step", str(args.trace_step), "--no-plots",
+            "--allocator", args.allocator]
     for flag in ("steps", "batch"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag}", str(getattr(args, flag))]
@@ -170,7 +176,7 @@ def _finish(args: argparse.Namespace, argv: list[str], runs: dict[str, dict[str,
 def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], overrides: dict[str, Any] | None) -> int:
     from daf.workloads.train import RunSettings, run_training
     settings = RunSettings(args.workload, options, args.steps, args.batch, overrides, args.trace_step,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, allocator=args.allocator)
     try:
         record = run_training(settings)
     except KeyboardInterrupt:

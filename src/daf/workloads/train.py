@@ -9,6 +9,7 @@ Ctrl-C stops training cleanly: the record says ``interrupted`` and holds what wa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import statistics
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from daf.allocator.native import install as install_allocator
 from daf.workloads import get_workload
 from daf.workloads.base import Workload
 from daf.workloads.measure import PeakRSS, SavedBytes, StepTimeline
@@ -43,6 +45,7 @@ class RunSettings:
     daf: dict[str, Any] | None = None
     trace_step: int = 2
     progress: bool = True
+    allocator: str = "auto"
 
     @property
     def arm(self) -> str:
@@ -78,9 +81,9 @@ def _progress(total: int, description: str, enabled: bool) -> Any:
                 mininterval=0.5 if interactive else 15.0, file=sys.stderr)
 
 
-def _wrap(model: nn.Module, overrides: dict[str, Any]) -> dict[str, Any]:
+def _wrap(model: nn.Module, overrides: dict[str, Any], allocator: str) -> dict[str, Any]:
     import daf
-    config = daf.Config(**overrides)
+    config = daf.Config(**{"allocator": allocator, **overrides})
     daf.wrap(model, config)
     return config.to_dict()
 
@@ -96,10 +99,12 @@ def run_training(settings: RunSettings) -> dict[str, Any]:
         "batch": batch, "seed": workload.seed, "metric": workload.metric, "higher_is_better": workload.higher_is_better,
         "interrupted": False, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
     }
+    # Before any tensor of the run: both arms on the same allocator, or fp32 as a plain user runs it.
+    record["allocator"] = dataclasses.asdict(install_allocator(settings.allocator))
     load_start = time.perf_counter()
     model = workload.build_model()
     record["init_digest"] = _digest_parameters(model)
-    record["config"] = None if settings.daf is None else _wrap(model, settings.daf)
+    record["config"] = None if settings.daf is None else _wrap(model, settings.daf, settings.allocator)
     optimizer, schedule = workload.optimizer(model, steps)
     batches = workload.batches(batch, steps)
     first = next(batches)  # loads the data now, so that loading is not counted in step 0

@@ -1,0 +1,139 @@
+"""Making an allocator library PyTorch's CPU allocator inside a running process.
+
+The library is loaded beside the system malloc (``csrc/allocator.cpp``): only tensors that
+PyTorch allocates from then on come from it. A process started with the library in
+``LD_PRELOAD`` (``daf run``) has it everywhere already and needs nothing here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from daf.allocator.libraries import ALLOCATORS, resolve
+
+__all__ = ["AllocatorStatus", "TensorBytes", "install", "status", "preloaded", "tensor_bytes"]
+
+SOURCE = Path(__file__).with_name("csrc") / "allocator.cpp"
+
+
+@dataclass(frozen=True)
+class AllocatorStatus:
+    """Where this process's CPU tensors come from.
+
+    ``mode``: "in-process" (installed by DAF as PyTorch's CPU allocator), "preloaded" (the
+    library is in ``LD_PRELOAD``: every malloc of the process is its), or "system".
+    """
+
+    name: str
+    mode: str
+    path: str | None
+    reason: str
+
+
+def preloaded() -> AllocatorStatus | None:
+    """The allocator in this process's ``LD_PRELOAD`` that is mapped into it, if any."""
+    wanted = [p for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+    if not wanted:
+        return None
+    try:
+        mapped = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for path in wanted:
+        base = os.path.basename(path)
+        for name, filenames in ALLOCATORS.items():
+            if base in filenames and base in mapped:
+                return AllocatorStatus(name, "preloaded", path, f"{name} is preloaded (LD_PRELOAD={path})")
+    return None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The compiled shim, built on first use into torch's extension cache (a few seconds)."""
+    from torch.utils import cpp_extension
+
+    path = cpp_extension.load(name="daf_allocator", sources=[str(SOURCE)], extra_cflags=["-O2"],
+                              is_python_module=False, verbose=False)
+    library = ctypes.CDLL(path)
+    library.daf_allocator_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    library.daf_allocator_install.restype = ctypes.c_int
+    library.daf_allocator_path.restype = ctypes.c_char_p
+    library.daf_allocator_active.restype = ctypes.c_int
+    for counter in (library.daf_allocator_allocations, library.daf_allocator_frees):
+        counter.restype = ctypes.c_uint64
+    for counter in (library.daf_allocator_live_bytes, library.daf_allocator_peak_bytes):
+        counter.restype = ctypes.c_int64
+    return library
+
+
+@functools.cache
+def install(name: str = "auto") -> AllocatorStatus:
+    """Make ``name`` ("auto", "system" or an allocator's name) the allocator of PyTorch's CPU
+    tensors in this process; never raises for a missing or broken library (one warning per
+    process and name, naming the fix), only for an unknown name. Cached: process-wide by nature."""
+    resolved = resolve(name)
+    if name == "system":
+        return status()
+    already = preloaded()
+    if already is not None:
+        return already
+    if resolved.path is None:
+        warnings.warn(f"DAF: {resolved.reason}; tensors use the system allocator, whose heap keeps the "
+                      f"memory of freed temporaries (docs/allocator.md)", RuntimeWarning, stacklevel=3)
+        return AllocatorStatus("system", "system", None, resolved.reason)
+    try:
+        library = _library()
+    except Exception as error:  # no compiler, build or load error: the system allocator still works
+        reason = f"could not build DAF's allocator shim ({type(error).__name__}: {str(error).splitlines()[0]})"
+        warnings.warn(f"DAF: {reason}; tensors use the system allocator", RuntimeWarning, stacklevel=3)
+        return AllocatorStatus("system", "system", None, reason)
+    message = ctypes.create_string_buffer(512)
+    if library.daf_allocator_install(resolved.path.encode(), message, len(message)) != 0:
+        reason = f"{resolved.name} at {resolved.path} could not be installed: {message.value.decode()}"
+        warnings.warn(f"DAF: {reason}; tensors use the system allocator", RuntimeWarning, stacklevel=3)
+        return AllocatorStatus("system", "system", None, reason)
+    return status()
+
+
+def status() -> AllocatorStatus:
+    """What allocator this process's CPU tensors come from now, and why."""
+    already = preloaded()
+    if already is not None:
+        return already
+    if _library.cache_info().currsize:  # installed (or tried) in this process
+        library = _library()
+        path = library.daf_allocator_path().decode()
+        if path and library.daf_allocator_active():
+            name = next((n for n, files in ALLOCATORS.items() if os.path.basename(path) in files), path)
+            return AllocatorStatus(name, "in-process", path,
+                                   f"{name} is PyTorch's CPU allocator, installed by DAF")
+    return AllocatorStatus("system", "system", None, "the system allocator (DAF installed none in this process)")
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """Counts of the tensors allocated through DAF's in-process allocator since it was installed:
+    live and peak are bytes as the library rounds them (its usable sizes)."""
+
+    allocations: int
+    frees: int
+    live_bytes: int
+    peak_bytes: int
+
+
+def tensor_bytes(reset_peak: bool = False) -> TensorBytes | None:
+    """Live and peak bytes of CPU tensors, exact and cheap (no profiler), when DAF installed the
+    allocator in-process; None otherwise. ``reset_peak`` starts a new high-water mark after reading."""
+    if not _library.cache_info().currsize or status().mode != "in-process":
+        return None
+    library = _library()
+    figures = TensorBytes(int(library.daf_allocator_allocations()), int(library.daf_allocator_frees()),
+                          int(library.daf_allocator_live_bytes()), int(library.daf_allocator_peak_bytes()))
+    if reset_peak:
+        library.daf_allocator_reset_peak()
+    return figures
