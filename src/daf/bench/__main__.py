@@ -1,0 +1,18 @@
+"""``python -m daf.bench memory ...``: the same as ``daf bench memory ...``."""
+
+import argparse
+import sys
+
+from daf.bench import memory
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="daf bench")
+    commands = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    memory.add_arguments(commands.add_parser("memory", help="the largest batch that trains under a RAM cap"))
+    args = parser.parse_args(argv)
+    return memory.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

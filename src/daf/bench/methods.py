@@ -1,0 +1,91 @@
+"""The ways to train that ``daf bench memory`` compares, and how each is applied to a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Method", "methods_for", "checkpoint_blocks", "WORKLOAD_BITS"]
+
+# The bits that keep each workload's result (docs/results.md): SmolLM2 needs 8.
+WORKLOAD_BITS = {"resnet18-fmnist": 2, "minilm-tweets": 2, "smollm-lora": 8, "tiny-mnist": 2}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to train: DAF's config overrides (None: no DAF), per-block recomputation,
+    ``torch.compile`` with a recomputation budget, and the allocator ("system": as a plain
+    PyTorch user runs; "auto": DAF's, installed in-process before anything is allocated)."""
+
+    name: str
+    daf: dict[str, Any] | None = None
+    checkpoint: bool = False
+    compile: bool = False
+    allocator: str = "auto"
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "daf": self.daf, "checkpoint": self.checkpoint, "compile": self.compile,
+                "allocator": self.allocator, "notes": self.notes}
+
+
+def methods_for(workload: str, cap_bytes: int, quick: bool = False) -> list[Method]:
+    """Every method, with the workload's bits; ``quick`` keeps three."""
+    bits = WORKLOAD_BITS.get(workload, 2)
+    uniform = {"bits": bits}
+    listed = [
+        Method("fp32 (system malloc)", allocator="system", notes="plain PyTorch, as a user runs it"),
+        Method("fp32", notes="plain PyTorch on DAF's allocator"),
+        Method("checkpoint", checkpoint=True, notes="torch.utils.checkpoint per block, non-reentrant"),
+        Method("compile budget 0.5", compile=True,
+               notes="torch.compile, torch._functorch.config.activation_memory_budget = 0.5"),
+        Method(f"DAF {bits}-bit", daf=uniform),
+        Method(f"DAF adaptive {bits:.1f}", daf={"policy": "adaptive", "bits": float(bits)}),
+        Method(f"DAF {bits}-bit + checkpoint", daf=uniform, checkpoint=True),
+        Method(f"DAF {bits}-bit budget", daf={**uniform, "budget": cap_bytes // 8},
+               notes=f"stored activations capped at 1/8 of the RAM cap ({cap_bytes // 8 >> 20} MiB); the rest spills"),
+    ]
+    if bits == 8:  # an adaptive average of 8 is uniform 8
+        listed = [m for m in listed if not m.name.startswith("DAF adaptive")]
+    if quick:
+        keep = {"fp32 (system malloc)", "fp32", f"DAF {bits}-bit"}
+        listed = [m for m in listed if m.name in keep]
+    return listed
+
+
+def _block_lists(model: nn.Module) -> list[nn.Module]:
+    """The blocks to recompute: the children of every ModuleList/Sequential whose children are all
+    composite modules (ResNet's BasicBlocks, a transformer's layers), outermost first, not nested."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if children and all(any(True for _ in child.children()) for child in children):
+            blocks.extend(children)
+            for child in children:
+                inside.update(id(m) for m in child.modules())
+    return blocks
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Make each block recompute its forward in backward (non-reentrant checkpointing); returns how
+    many blocks. Only the blocks' inputs are saved for backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = _block_lists(model)
+    for block in blocks:
+        forward = block.forward
+
+        def recomputed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = recomputed
+    return len(blocks)

@@ -1,0 +1,68 @@
+"""One probe of ``daf bench memory``, run as its own process: train a few steps of one method at one
+batch size and print one JSON line (peak RSS, step times). ``python -m daf.bench.probe SPEC_JSON``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+__all__ = ["run_probe", "peak_rss_bytes"]
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (``VmHWM``): what a RAM limit sees."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train ``spec["steps"]`` steps of ``spec["method"]`` on ``spec["workload"]`` at ``spec["batch"]``."""
+    from daf.allocator.native import install
+
+    method = spec["method"]
+    if method["allocator"] != "system":
+        install(method["allocator"])  # before the first tensor, as daf.wrap would
+    import torch
+
+    import daf
+    from daf.bench.methods import checkpoint_blocks
+    from daf.workloads import get_workload
+
+    workload = get_workload(spec["workload"], **spec.get("options", {}))
+    model = workload.build_model()
+    blocks = checkpoint_blocks(model) if method["checkpoint"] else 0
+    if method["daf"] is not None:
+        daf.wrap(model, allocator=method["allocator"], **method["daf"])
+    if method["compile"]:
+        import torch._functorch.config as functorch_config
+        functorch_config.activation_memory_budget = 0.5
+        model = torch.compile(model)
+    optimizer, schedule = workload.optimizer(model, spec["steps"])
+    seconds = []
+    for data in workload.batches(spec["batch"], spec["steps"]):
+        start = time.perf_counter()
+        loss = workload.loss(model, data)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if not torch.isfinite(loss.detach()):
+            raise FloatingPointError(f"loss is {loss.item()}")
+        del loss
+        seconds.append(time.perf_counter() - start)
+    return {"ok": True, "peak_rss_bytes": peak_rss_bytes(), "step_seconds": seconds, "blocks": blocks}
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    result = run_probe(spec)
+    print("DAF-PROBE " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
