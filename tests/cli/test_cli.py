@@ -1,11 +1,13 @@
 """The ``daf`` command: argument errors, the --json schema, compare's two arms, Ctrl-C."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -91,16 +93,40 @@ def test_compare_runs_both_arms_with_the_same_seed_and_data(tmp_path):
     assert "DAF vs fp32: accuracy" in done.stdout and "fp32" in done.stdout and "DAF 4-bit" in done.stdout
 
 
+def _descendants(pid):
+    """Every process below ``pid`` (the compare arms run in sessions of their own)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            child = int(entry.name)
+            children += [child, *_descendants(child)]
+    return children
+
+
 def _interrupt_after_start(command, timeout=120):
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + timeout
-    for line in process.stderr:  # "training <workload> (<arm>): ..." is printed when the loop starts
-        if line.startswith("training ") or time.time() > deadline:
-            break
-    time.sleep(1.0)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=timeout)
-    return process.returncode, out, err
+    # SIGINT back to its default in the child: a test runner started as a shell's background job
+    # inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + timeout
+        for line in process.stderr:  # "training <workload> (<arm>): ..." is printed when the loop starts
+            if line.startswith("training ") or time.time() > deadline:
+                break
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=timeout)
+        return process.returncode, out, err
+    finally:
+        if process.poll() is None:  # never leave training processes behind
+            for pid in [*_descendants(process.pid), process.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            process.wait()
 
 
 def test_ctrl_c_stops_cleanly_and_reports(tmp_path):

@@ -2,8 +2,9 @@
 
 Pure logic (the probe is a callable), so the search is tested without training anything.
 
->>> largest_fitting(lambda b: (b <= 300, 100 + b), start=16, cap=400, resolution=0.1).batch
-300
+>>> found = largest_fitting(lambda b: (b <= 300, 100 + b), start=16, cap=400, resolution=0.1)
+>>> found.batch, found.failed_at   # 291 fits, 320 does not: a gap within 10% of 291
+(291, 320)
 """
 
 from __future__ import annotations
