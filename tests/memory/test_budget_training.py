@@ -6,9 +6,12 @@ parameter gradients against fp32): 8 bits 0.99997, 4 bits 0.9992, 8 bits under a
 the 2-bit store is benchmarks/budget_training.py: spilling only (min_bits=2) trains exactly like
 the unconstrained run; demoting to 1 bit first (min_bits=1) fell far behind over 200 steps
 (test accuracy 0.45 against 0.75). The short version here (ResNet-18 width 16, batch 16, 6 steps)
-only checks that min_bits=1 demotes, spills and stays close at first (within 0.03 when set).
+only checks that min_bits=1 demotes, spills and stays close at first (within 0.03 when set). An
+activation larger than the whole budget goes straight to disk and training stays bit-for-bit the same;
+only a disk that cannot take it makes forward raise OutOfBudget.
 """
 
+import errno
 import gc
 import os
 
@@ -17,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import daf
+from daf.memory import SpillError
+from daf.memory import spill as spill_module
 from daf.workloads.resnet import ResNet18
 from tests.models import SmallCNN, cosine, gradients
 
@@ -75,11 +80,48 @@ def test_demotion_keeps_gradients_close_to_the_original_bit_width():
     assert cosine(reference, demoted) >= cosine(reference, at[4])  # some records stayed at 8 bits
 
 
-def test_an_activation_larger_than_the_budget_raises_out_of_budget_from_forward():
+def _gradients_over_steps(budget_config: dict, steps: int) -> tuple[list[torch.Tensor], dict, str]:
+    """Every step's parameter gradients of SmallCNN (batch 16, 32x32, SGD) at 2 bits, the store's
+    figures and the report's text."""
+    torch.manual_seed(0)
+    model = daf.wrap(SmallCNN(), bits=2, page_size=4096, **budget_config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    grads = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        grads.append(gradients(model, x, y))
+        opt.step()
+        daf.session_of(model).store._check()
+    return grads, daf.report(model).sections["store"], str(daf.report(model))
+
+
+def test_activations_larger_than_the_budget_go_straight_to_disk_and_train_exactly_as_without_a_budget():
+    """A quarter of the 2-bit store is 54 KiB; the two 68 KiB codes of the first conv's output (BatchNorm's
+    input, ReLU's output) cannot fit in it at all. Before, forward raised OutOfBudget with an empty disk."""
+    free, free_stats, _ = _gradients_over_steps({}, 3)
+    budget = free_stats["high_water_bytes"] // 4
+    spilled, stats, text = _gradients_over_steps({"budget": budget}, 3)
+    assert all(torch.equal(a, b) for a, b in zip(spilled, free))  # bit for bit, every step
+    assert stats["direct_spills"] >= 2 * 3 and stats["staged_reads"] > 0 and stats["demotions"] == 0
+    assert stats["high_water_bytes"] <= budget and stats["pool_reserved_bytes"] <= budget
+    assert stats["prefetch_hits"] + stats["prefetch_misses"] == stats["spills"] and stats["prefetch_hits"] > 0
+    assert stats["records"] == 0 and stats["staged_bytes"] == 0 and stats["spilled_now"] == 0
+    assert "direct_spills=" in text and "staged_reads=" in text
+
+
+def test_an_activation_larger_than_the_budget_raises_out_of_budget_from_forward_when_the_disk_is_full(monkeypatch):
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(spill_module, "_write_all", full)
     torch.manual_seed(0)
     model = daf.wrap(SmallCNN(), bits=2, min_numel=1, page_size=4096, budget=8192)
-    with pytest.raises(daf.OutOfBudget, match=r"needs .* but Config.budget is 0.01 MiB \(8192 B\)"):
+    with pytest.raises(daf.OutOfBudget, match=r"needs .* but Config.budget is 0.01 MiB \(8192 B\).*"
+                                              r"straight to disk.*no space left") as caught:
         model(torch.randn(16, 3, 32, 32)).sum().backward()
+    assert isinstance(caught.value.__cause__, SpillError)
+    del caught
     gc.collect()
     assert daf.session_of(model).store.stats()["records"] == 0  # nothing left behind by the failed forward
 

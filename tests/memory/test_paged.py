@@ -1,8 +1,10 @@
 """The paged store: exact round trips, the budget's order (demote, spill, refuse), prefetch, invariants."""
 
+import errno
 import random
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from daf.codec import Codec
 from daf.config import Config
 from daf.format import payload_bytes
 from daf.memory import OutOfBudget, PagedStore, SpillError, make_store
+from daf.memory import spill as spill_module
 
 PAGE = 4096
 
@@ -104,18 +107,110 @@ def test_demotion_goes_first_least_important_first_down_to_min_bits():
     assert all(store.get(r).bits >= 2 for r in refs + more)
 
 
-def test_an_activation_that_can_never_fit_raises_out_of_budget_and_changes_nothing():
+def _with_nan(numel: int, seed: int = 0):
+    """A 2-bit record with a one-element exception side table (12 B that stay in memory)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    x[3] = float("nan")
+    return Codec(Config(backend="reference")).encode(x, 2, seed)
+
+
+def _full_disk(fd, data):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_record_as_large_as_the_budget_goes_straight_to_disk_and_is_read_back_exact_when_next_needed():
+    """The reported case: codes that take exactly the budget's pages, beside another record's 12 B of
+    exceptions, with nothing on disk. Before, put raised OutOfBudget."""
+    big = _packed(60000, 2, 1)
+    budget = _cost(big)
+    store = PagedStore(Config(page_size=PAGE, budget=budget, min_bits=2), Codec(Config()))
+    small, after = _with_nan(5000), _packed(500, 2, 2)
+    refs = [store.put(small, 0.0, "small#0"), store.put(big, 1.0, "big#0"), store.put(after, 2.0, "after#0")]
+    store._check()
+    record = store._records[refs[1]]
+    assert record.direct and record.pages is None and record.spilled.nbytes == big.payload.nbytes
+    stats = store.stats()
+    assert stats["direct_spills"] == 1 and stats["spills"] == 1 and stats["demotions"] == 0
+    assert stats["high_water_bytes"] <= budget and stats["pool_high_water_bytes"] < budget  # it never took a page
+    assert _same(store.get(refs[2]), after)  # backward begins: big is next, read into a buffer outside the pool
+    _wait_for_reads(store)
+    store._check()
+    assert store.stats()["staged_bytes"] == big.payload.nbytes and record.spilled is None  # its file is gone
+    assert _same(store.get(refs[1]), big) and store.stats()["prefetch_hits"] == 1
+    for ref in reversed(refs):
+        store.release(ref)
+        store._check()
+    stats = store.stats()
+    assert stats["staged_reads"] == 1 and stats["staged_bytes"] == 0 and stats["records"] == 0
+    assert not any(Path(store._spill.directory).iterdir())
+    store.close()
+
+
+def test_a_record_written_straight_to_disk_comes_back_into_the_pool_when_it_fits_by_then():
+    big = _packed(60000, 2, 1)
+    x = torch.randn(5000)
+    x[:400] = float("nan")  # 4800 B of exceptions: more than a page that cannot leave memory
+    small, after = Codec(Config()).encode(x, 2, 0), _packed(500, 2, 2)
+    store = PagedStore(Config(page_size=PAGE, budget=_cost(big) + PAGE, min_bits=2), Codec(Config()))
+    refs = [store.put(small, 0.0, "small#0"), store.put(big, 1.0, "big#0"), store.put(after, 2.0, "after#0")]
+    assert store._records[refs[1]].direct
+    store.release(refs[0])  # its side table goes (a saved tensor backward does not use)
+    assert _same(store.get(refs[2]), after)  # backward begins: big is next and fits in the pool now
+    _wait_for_reads(store)
+    store._check()
+    record = store._records[refs[1]]
+    assert record.pages is not None and not record.direct and store.stats()["staged_reads"] == 0
+    assert _same(store.get(refs[1]), big) and store.stats()["prefetch_hits"] == 1
+    for ref in refs[1:]:
+        store.release(ref)
+    store._check()
+
+
+def test_a_record_larger_than_the_budget_is_read_at_get_when_the_worker_has_not_brought_it():
+    originals = [_packed(60000, 2, i) for i in range(3)]  # each larger than the budget
+    store = PagedStore(Config(page_size=PAGE, budget=2 * PAGE, min_bits=2), Codec(Config()))
+    refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
+    for ref, original in zip(refs, originals):  # out of backward order: only the next needed is read ahead
+        assert _same(store.get(ref), original)
+        store._check()
+    _wait_for_reads(store)
+    stats = store.stats()
+    assert stats["direct_spills"] == 3 and stats["prefetch_hits"] + stats["prefetch_misses"] == 3
+    assert stats["staged_bytes"] <= originals[0].payload.nbytes  # one buffer outside the pool at most
+    for ref in refs:
+        store.release(ref)
+    _wait_for_reads(store)
+    store._check()
+    assert store.stats()["staged_bytes"] == 0 and not any(Path(store._spill.directory).iterdir())
+
+
+def test_a_record_larger_than_the_budget_raises_out_of_budget_when_the_disk_cannot_take_it(monkeypatch):
     store = PagedStore(Config(page_size=PAGE, budget=4 * PAGE, min_bits=1), Codec(Config()))
     kept = _packed(4096, 8, 0)
     ref = store.put(kept, 0.0, "small#0")
+    monkeypatch.setattr(spill_module, "_write_all", _full_disk)
     with pytest.raises(daf.OutOfBudget) as caught:
         store.put(_packed(200_000, 2, 1), 1.0, "huge#0")
     message = str(caught.value)
-    asked = -(-payload_bytes(200_000, 1, 256) // PAGE) * PAGE
+    asked = -(-payload_bytes(200_000, 1, 256) // PAGE) * PAGE  # what it takes at its fewest bits
     assert f"({asked} B)" in message and f"({4 * PAGE} B)" in message and "huge#0" in message
+    assert "straight to disk" in message and "no space left" in message
     assert caught.value.asked == asked and caught.value.budget == 4 * PAGE and caught.value.in_use == _cost(kept)
     assert isinstance(caught.value, MemoryError) and daf.OutOfBudget is OutOfBudget
-    assert store.stats()["demotions"] == 0 and _same(store.get(ref), kept)
+    assert isinstance(caught.value.__cause__, SpillError)
+    stats = store.stats()  # nothing has changed
+    assert stats["demotions"] == stats["spills"] == stats["direct_spills"] == 0 and stats["records"] == 1
+    assert _same(store.get(ref), kept) and not any(Path(store._spill.directory).iterdir())
+    store._check()
+
+
+def test_a_record_whose_exception_side_table_alone_passes_the_budget_raises_out_of_budget():
+    x = torch.full((5000,), float("nan"))  # 5000 exceptions: a side table larger than the budget
+    packed = Codec(Config()).encode(x, 2, 0)
+    store = PagedStore(Config(page_size=PAGE, budget=4 * PAGE, min_bits=2), Codec(Config()))
+    with pytest.raises(daf.OutOfBudget, match=r"side table stays in memory"):
+        store.put(packed, 0.0, "nan#0")
+    assert store.stats()["spills"] == 0 and len(store) == 0
     store._check()
 
 
@@ -207,7 +302,13 @@ def test_small_stress_reserved_stays_within_five_percent_of_the_high_water_mark(
 
 
 class BudgetMachine(RuleBasedStateMachine):
-    """Hypothesis drives put/get/release under a tight budget (spill only): every get is bit-exact."""
+    """Hypothesis drives put/get/release under a tight budget (spill only): every get is bit-exact.
+
+    Sizes go past the budget (27 KB against 24 KB: straight to disk), some records carry exception side
+    tables, backward takes every record in reverse order, and a put may meet a full disk: then it either
+    fits without the disk or raises (OutOfBudget, or SpillError when a victim could not be written) and
+    stores nothing.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -215,11 +316,24 @@ class BudgetMachine(RuleBasedStateMachine):
         self.live: dict[int, object] = {}
         self.seq = 0
 
-    @rule(numel=st.sampled_from([256, 4096, 9000, 20000]), importance=st.floats(-10, 10))
-    def put(self, numel, importance):
+    def _new(self, numel: int, exceptions: bool):
         self.seq += 1
-        packed = _packed(numel, 2, self.seq)
+        return _with_nan(numel, self.seq) if exceptions else _packed(numel, 2, self.seq)
+
+    @rule(numel=st.sampled_from([256, 4096, 9000, 20000, 100_000]), importance=st.floats(-10, 10),
+          exceptions=st.booleans())
+    def put(self, numel, importance, exceptions):
+        packed = self._new(numel, exceptions)
         self.live[self.store.put(packed, importance, f"s#{self.seq}")] = packed
+
+    @rule(numel=st.sampled_from([4096, 20000, 100_000]), importance=st.floats(-10, 10))
+    def put_on_a_full_disk(self, numel, importance):
+        packed, before = self._new(numel, False), len(self.store)
+        with mock.patch.object(spill_module, "_write_all", _full_disk):
+            try:
+                self.live[self.store.put(packed, importance, f"s#{self.seq}")] = packed
+            except (OutOfBudget, SpillError):
+                assert len(self.store) == before
 
     @precondition(lambda self: self.live)
     @rule(which=st.integers(0, 100))
@@ -234,9 +348,17 @@ class BudgetMachine(RuleBasedStateMachine):
         del self.live[ref]
         self.store.release(ref)
 
+    @precondition(lambda self: self.live)
+    @rule()
+    def backward(self):
+        for ref in sorted(self.live, reverse=True):
+            assert _same(self.store.get(ref), self.live.pop(ref))
+            self.store.release(ref)
+
     @invariant()
     def consistent(self):
         self.store._check()
+        assert self.store.stats()["staged_bytes"] <= payload_bytes(100_000, 2, 256)  # one record outside the pool
 
     def teardown(self):
         self.store.close()

@@ -3,14 +3,19 @@
 Without a budget it is a page pool and nothing more. With ``Config.budget``, a ``put``
 that would pass the budget first *demotes* the least important records (re-encodes
 them at half their bits, down to ``Config.min_bits``), then *spills* the least
-important to disk, and raises ``OutOfBudget`` only when the record cannot fit even
-with everything else spilled. Once backward starts (the first ``get`` after a
-``put``), a worker thread reads spilled records back into the pool in the order
-backward needs them (reverse pack order) as released records make room.
+important to disk. A record that cannot fit even demoted as far as it goes with every
+other payload on disk is written *straight* to disk (it never takes pages); only when
+the disk cannot take it either does ``put`` raise ``OutOfBudget``. Once backward
+starts (the first ``get`` after a ``put``), a worker thread reads spilled records
+back into the pool in the order backward needs them (reverse pack order) as released
+records make room; a record written straight to disk is read back when it is the
+next one backward will ask for, into the pool if it fits by then, else into one
+buffer outside the pool (at most one such buffer at a time).
 
 The budget counts pages in use (whole pages) plus the exception side tables, which
 stay in ordinary memory beside their records. Decoding and demotion need transient
-memory for one decoded activation outside the budget, like any ``get``.
+memory for one decoded activation outside the budget, like any ``get``; so does the
+payload of a record larger than the budget once it is read back (``staged_bytes``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 from daf.config import Config
 from daf.format import Packed, payload_bytes
-from daf.memory.errors import OutOfBudget
+from daf.memory.errors import OutOfBudget, SpillError
 from daf.memory.index import ImportanceIndex, by_importance, by_need
 from daf.memory.pool import PagePool
 from daf.memory.spill import SpillHandle, SpillStore
@@ -41,7 +46,8 @@ __all__ = ["PagedStore"]
 
 @dataclasses.dataclass(eq=False)
 class _Record:
-    """One stored activation: resident (``pages``), spilled (``spilled``) or loading back (both, ``loading``)."""
+    """One stored activation: resident (``pages``), spilled (``spilled``), loading back (``loading``, into
+    ``pages`` or ``staged``) or read back outside the pool (``staged``)."""
 
     ref: int
     seq: int
@@ -52,6 +58,8 @@ class _Record:
     pages: list[int] | None = None
     spilled: SpillHandle | None = None
     loading: Future | None = None
+    staged: torch.Tensor | None = None  # its payload read back outside the pool: it was too large for the budget
+    direct: bool = False  # on disk since its put, when it could not fit in the pool; read back when next needed
     awaited: bool = False  # spilled since backward last asked for it: its next get is a hit or a miss
     released: bool = False
     error: BaseException | None = None
@@ -99,7 +107,8 @@ class PagedStore:
         self._records: dict[int, _Record] = {}
         self._resident = ImportanceIndex(by_importance)   # in the pool, may be spilled
         self._demotable = ImportanceIndex(by_importance)  # in the pool with bits > min_bits
-        self._spilled = ImportanceIndex(by_need)           # on disk, next needed first
+        self._spilled = ImportanceIndex(by_need)           # on disk, next needed first (not those written directly)
+        self._unasked = ImportanceIndex(by_need)           # under a budget: not asked for since put, next needed first
         self._spill = SpillStore(config.spill_dir) if self.budget is not None else None
         self._worker = ThreadPoolExecutor(1, "daf-prefetch") if self.budget is not None else None
         self._lock = threading.Lock()
@@ -108,11 +117,12 @@ class PagedStore:
         self._next_ref = 0
         self._side = 0  # exception side tables of every record (they stay in memory)
         self._loading = 0  # page bytes held by reads in flight
+        self._staged_bytes = 0  # payload read back outside the pool (outside the budget): one record at most
         self._payload = 0  # payload bytes of every record, wherever it is
         self._high_water = 0
         self._in_backward = False
-        self.counters = dict.fromkeys(("demotions", "demoted_bytes_saved", "spills", "spilled_bytes",
-                                       "prefetches", "prefetch_hits", "prefetch_misses"), 0)
+        self.counters = dict.fromkeys(("demotions", "demoted_bytes_saved", "spills", "spilled_bytes", "direct_spills",
+                                       "prefetches", "prefetch_hits", "prefetch_misses", "staged_reads"), 0)
         self.seconds = dict.fromkeys(("demote_seconds", "spill_write_seconds", "spill_wait_seconds"), 0.0)
 
     # -- locking ---------------------------------------------------------------------------
@@ -131,7 +141,8 @@ class PagedStore:
 
     # -- the Store interface ---------------------------------------------------------------
     def put(self, packed: Packed, importance: float, site: str) -> int:
-        """Keep ``packed``; return its reference. May demote, spill or raise ``OutOfBudget`` under a budget."""
+        """Keep ``packed``; return its reference. Under a budget it may demote and spill (``packed`` itself
+        straight to disk when it cannot fit at all), and raises ``OutOfBudget`` when the disk cannot take it."""
         with self._locked():
             self._in_backward = False
             record = _Record(self._next_ref, self._next_ref, site, float(importance), _header(packed),
@@ -143,6 +154,8 @@ class PagedStore:
                 self._place(record, payload)
             self._next_ref += 1
             self._records[record.ref] = record
+            if self.budget is not None:
+                self._unasked.add(record)
             self._side += record.side_bytes
             self._payload += record.nbytes
             self._high_water = max(self._high_water, self._used)
@@ -153,6 +166,7 @@ class PagedStore:
         with self._locked():
             record = lookup(self._records, ref)
             self._in_backward = True
+            self._unasked.discard(record)  # first, so the next record it hands to the worker is the one after
             self._schedule_prefetch()
             loading = record.loading
             if loading is None:
@@ -208,11 +222,13 @@ class PagedStore:
         if record.error is not None:
             raise record.error
         if record.awaited:
-            hit = record.pages is not None and not waited
+            hit = (record.pages is not None or record.staged is not None) and not waited
             self.counters["prefetch_hits" if hit else "prefetch_misses"] += 1
             record.awaited = False
         if record.pages is not None:
             payload = self._gather(record)
+        elif record.staged is not None:
+            payload = record.staged
         else:  # spilled and not read back yet: read it here, into memory outside the pool
             started = time.perf_counter()
             payload = self._spill.read(record.spilled, record.site, record.device)
@@ -230,8 +246,15 @@ class PagedStore:
         """Make the budget hold ``record``; its payload (re-encoded if it was demoted), or None if it was spilled.
 
         Demotes, then spills, least important first; the incoming record takes its turn by its importance.
+        A record that cannot fit even so goes straight to disk, at its own bits (disk is not short of room).
         """
-        self._refuse_if_never_fits(record, packed)
+        bits, smallest = self._fewest(record, packed)
+        pinned = self._side + self._loading  # what cannot be spilled: exception side tables, reads in flight
+        if pinned + record.side_bytes + smallest > self.budget:
+            self._spill_direct(record, payload, smallest, (
+                f"it takes {smallest} B at {bits} bits (as far as demotion goes) plus {record.side_bytes} B of "
+                f"exceptions, and {pinned} B cannot be spilled (exception side tables, reads in flight)"))
+            payload = None
         while self._used + record.side_bytes + (0 if payload is None else self._cost(payload.numel())) > self.budget:
             victim = self._demotable.least()
             if payload is not None and self._can_demote(record) and _goes_first(record, victim):
@@ -253,9 +276,8 @@ class PagedStore:
                                   "its exception side table does not fit beside what cannot be spilled")
         return payload
 
-    def _refuse_if_never_fits(self, record: _Record, packed: Packed) -> None:
-        """``OutOfBudget`` if the record cannot fit even demoted as far as it goes, with every other
-        payload on disk. O(1)."""
+    def _fewest(self, record: _Record, packed: Packed) -> tuple[int, int]:
+        """(bits, page bytes) of the record demoted as far as demotion goes (each step must free a page). O(1)."""
         bits, smallest = packed.bits, self._cost(record.nbytes)
         while self._codec is not None and bits > self.min_bits:
             fewer = max(self.min_bits, bits // 2)
@@ -263,11 +285,23 @@ class PagedStore:
             if cost >= smallest:
                 break
             bits, smallest = fewer, cost
-        if self._side + self._loading + record.side_bytes + smallest > self.budget:
-            raise OutOfBudget(record.site, smallest + record.side_bytes, self.budget, self._used,
-                              f"it takes {smallest} B at {bits} bits (as far as demotion goes) plus "
-                              f"{record.side_bytes} B of exceptions, and {self._side + self._loading} B cannot "
-                              f"be spilled (exception side tables, reads in flight)")
+        return bits, smallest
+
+    def _spill_direct(self, record: _Record, payload: torch.Tensor, smallest: int, why: str) -> None:
+        """Write a record that cannot fit in the pool straight from the caller's payload to disk (it takes no
+        page). ``OutOfBudget`` when even its side table cannot stay in memory or the disk cannot take it;
+        nothing has changed then."""
+        asked = smallest + record.side_bytes
+        if self._side + self._loading + record.side_bytes > self.budget:
+            raise OutOfBudget(record.site, asked, self.budget, self._used,
+                              f"{why}; its exception side table stays in memory and does not fit either")
+        record.direct = True
+        try:
+            self._spill_payload(record, [payload])
+        except SpillError as error:
+            raise OutOfBudget(record.site, asked, self.budget, self._used,
+                              f"{why}; it was to go straight to disk, which could not take it: {error}") from error
+        self.counters["direct_spills"] += 1
 
     def _can_demote(self, record: _Record) -> bool:
         """Whether halving the record's bits (not below min_bits) would free at least one page."""
@@ -307,46 +341,79 @@ class PagedStore:
         record.spilled = self._spill.write(record.ref, segments, record.site)
         self.seconds["spill_write_seconds"] += time.perf_counter() - started
         record.awaited = True
-        self._spilled.add(record)
+        if not record.direct:  # a direct one is read back when backward is about to ask for it
+            self._spilled.add(record)
         self.counters["spills"] += 1
         self.counters["spilled_bytes"] += record.nbytes
 
     # -- prefetch --------------------------------------------------------------------------
     def _schedule_prefetch(self) -> None:
-        """Start reading spilled records back, next needed first, while they fit in the budget."""
+        """Start reading spilled records back, next needed first, while they fit in the budget; then the
+        next record backward will ask for if it went straight to disk."""
         while len(self._spilled):
             record = self._spilled.least()
-            cost = self._cost(record.nbytes)
-            if self._used + cost > self.budget:
-                return
+            if self._used + self._cost(record.nbytes) > self.budget:
+                break
             self._spilled.remove(record)
+            self._start_read(record, into_pool=True)
+        self._read_back_direct()
+
+    def _read_back_direct(self) -> None:
+        """Start reading the next record backward needs if it went straight to disk: into the pool if it
+        fits now, else into a buffer outside the pool, one at a time (so at most one record's payload is
+        held outside the budget, only from when backward has asked for the record before it)."""
+        record = self._unasked.least()
+        if record is None or not record.direct or record.loading is not None or record.error is not None:
+            return
+        into_pool = self._used + self._cost(record.nbytes) <= self.budget
+        if into_pool or self._staged_bytes == 0:
+            self._start_read(record, into_pool)
+
+    def _start_read(self, record: _Record, into_pool: bool) -> None:
+        """Hand the worker one spilled record to read into pages reserved now, or into a buffer outside the pool."""
+        if into_pool:
             pool = self._pool(record.device)
             record.pages = pool.allocate(pool.pages_for(record.nbytes))
-            self._loading += cost
-            views = pool.views(record.pages, record.nbytes)
-            record.loading = self._worker.submit(self._load, record, views)
-            self.counters["prefetches"] += 1
+            self._loading += len(record.pages) * self.page_size
+            segments = pool.views(record.pages, record.nbytes)
+        else:
+            record.staged = torch.empty(record.nbytes, dtype=torch.uint8, device=record.device)
+            self._staged_bytes += record.nbytes
+            self.counters["staged_reads"] += 1
+            segments = [record.staged]
+        record.loading = self._worker.submit(self._load, record, segments)
+        self.counters["prefetches"] += 1
 
-    def _load(self, record: _Record, views: list[torch.Tensor]) -> None:
-        """Worker thread: read one spilled record into the pages reserved for it."""
+    def _load(self, record: _Record, segments: list[torch.Tensor]) -> None:
+        """Worker thread: read one spilled record into the pages or the buffer reserved for it."""
         error = None
         try:
-            self._spill.read_into(record.spilled, views, record.site)
+            self._spill.read_into(record.spilled, segments, record.site)
         except BaseException as caught:  # handed to whoever asks for the record
             error = caught
         with self._locked():
             record.loading = None
-            self._loading -= len(record.pages) * self.page_size
+            if record.pages is not None:
+                self._loading -= len(record.pages) * self.page_size
             if record.released or error is not None:
                 record.error = error
-                self._pools[record.device].free(record.pages)
-                record.pages = None
+                self._drop_copy(record)
                 if record.released:
                     self._spill.remove(record.spilled)
                 return
             self._spill.remove(record.spilled)
-            record.spilled = None
-            self._index_resident(record)
+            record.spilled, record.direct = None, False
+            if record.pages is not None:
+                self._index_resident(record)
+
+    def _drop_copy(self, record: _Record) -> None:
+        """Free what a read back was filling (pages or the buffer outside the pool); the file stays."""
+        if record.pages is not None:
+            self._pools[record.device].free(record.pages)
+            record.pages = None
+        if record.staged is not None:
+            self._staged_bytes -= record.staged.numel()
+            record.staged = None
 
     # -- release, figures, close -----------------------------------------------------------
     def _release_now(self, ref: int) -> None:
@@ -356,10 +423,12 @@ class PagedStore:
         record.released = True
         self._side -= record.side_bytes
         self._payload -= record.nbytes
+        self._unasked.discard(record)
         if record.loading is not None:
             return  # the worker frees its pages and file when the read finishes
         if record.pages is not None:
             self._unplace(record)
+        self._drop_copy(record)
         if record.spilled is not None:
             self._spilled.discard(record)
             self._spill.remove(record.spilled)
@@ -382,8 +451,9 @@ class PagedStore:
                 "internal_fragmentation": 1 - resident_payload / pages_in_use if pages_in_use else 0.0,
             }
             if self.budget is not None:
+                on_disk = sum(r.spilled is not None and r.loading is None for r in self._records.values())
                 figures.update(budget=self.budget, min_bits=self.min_bits, **self.counters,
-                               spilled_now=len(self._spilled), **self.seconds)
+                               spilled_now=on_disk, staged_bytes=self._staged_bytes, **self.seconds)
             return figures
 
     def close(self) -> None:
@@ -393,35 +463,47 @@ class PagedStore:
         with self._locked():
             self._records.clear()
             self._resident, self._demotable = ImportanceIndex(by_importance), ImportanceIndex(by_importance)
-            self._spilled = ImportanceIndex(by_need)
+            self._spilled, self._unasked = ImportanceIndex(by_need), ImportanceIndex(by_need)
             self._pools.clear()
-            self._side = self._payload = self._loading = 0
+            self._side = self._payload = self._loading = self._staged_bytes = 0
         if self._spill is not None:
             self._spill.close()
 
     def _check(self) -> None:
         """Assert every invariant of the store, its pools and indexes. O(records + pages)."""
         with self._locked():
-            for index in (self._resident, self._demotable, self._spilled):
+            for index in (self._resident, self._demotable, self._spilled, self._unasked):
                 index._check()
-            used, payload, side, loading = 0, 0, 0, 0
+            used, payload, side, loading, staged = 0, 0, 0, 0, 0
             for ref, record in self._records.items():
                 assert record.ref == ref and not record.released
                 state = (record.pages is not None, record.spilled is not None, record.loading is not None)
-                assert state in ((True, False, False), (False, True, False), (True, True, True)) or \
-                    record.error is not None, (ref, state)
+                # resident, spilled, loading into the pool, loading outside it, read back outside it
+                assert state in ((True, False, False), (False, True, False), (True, True, True), (False, True, True),
+                                 (False, False, False)) or record.error is not None, (ref, state)
+                assert (record.staged is not None) == (state in ((False, True, True), (False, False, False))), ref
+                assert not record.direct or record.spilled is not None, ref
                 resident = state == (True, False, False)
                 assert (record in self._resident) == resident
                 assert (record in self._demotable) == (resident and self._can_demote(record))
-                assert (record in self._spilled) == (state == (False, True, False) and record.error is None)
+                assert (record in self._spilled) == (
+                    state == (False, True, False) and record.error is None and not record.direct)
                 if record.pages is not None:
                     assert len(record.pages) == -(-record.nbytes // self.page_size)
                     used += len(record.pages) * self.page_size
-                if record.loading is not None:
-                    loading += len(record.pages) * self.page_size
+                    if record.loading is not None:
+                        loading += len(record.pages) * self.page_size
+                if record.staged is not None:
+                    assert record.staged.numel() == record.nbytes
+                    staged += record.nbytes
                 side += record.side_bytes
                 payload += record.nbytes
             assert len(self._resident) + len(self._spilled) <= len(self._records)
+            assert all(self._records.get(r.ref) is r for r in self._unasked)
+            held_outside = sum(r.staged is not None for r in self._records.values())
+            # one buffer outside the pool at a time (a released record being read may hold it until the read ends)
+            assert held_outside <= 1 and self._staged_bytes >= 0
+            assert held_outside == 0 or staged == self._staged_bytes, (staged, self._staged_bytes)
             loading_elsewhere = sum(p.in_use_bytes for p in self._pools.values()) - sum(
                 len(r.pages) * self.page_size for r in self._records.values() if r.pages is not None)
             assert loading_elsewhere >= 0  # released records still being read hold pages until the read ends

@@ -74,10 +74,14 @@ class SpillStore:
     def write(self, key: int, segments: list[torch.Tensor], site: str) -> SpillHandle:
         """Write the concatenation of ``segments`` (uint8 [*] each, any device) as record ``key``.
 
-        O(total bytes). A full disk raises ``SpillError`` (the partial file is removed).
+        O(total bytes). A full disk or any other OS error (creating the directory or the file included)
+        raises ``SpillError`` and leaves no partial file.
         """
-        path = os.path.join(self._ensure_directory(), f"{key}.bin")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            path = os.path.join(self._ensure_directory(), f"{key}.bin")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as error:
+            raise self._write_error(error, site, 0, self.directory or self.parent or tempfile.gettempdir()) from error
         crc, nbytes = 0, 0
         try:
             for segment in segments:
@@ -88,16 +92,20 @@ class SpillStore:
         except OSError as error:
             os.close(fd)
             os.unlink(path)
-            if error.errno == errno.ENOSPC:
-                raise SpillError(
-                    f"no space left on the device of {self.directory!r} while spilling activation {site!r} "
-                    f"({nbytes} B written); free disk space, set Config.spill_dir to a larger disk, or raise "
-                    f"Config.budget") from error
-            raise SpillError(f"could not spill activation {site!r} to {path!r}: {error}") from error
+            raise self._write_error(error, site, nbytes, path) from error
         os.close(fd)
         self.bytes_on_disk += nbytes
         self.files += 1
         return SpillHandle(path, nbytes, crc)
+
+    def _write_error(self, error: OSError, site: str, written: int, where: str) -> SpillError:
+        """The ``SpillError`` for an OS error met while writing ``site``'s record at ``where``."""
+        if error.errno == errno.ENOSPC:
+            return SpillError(
+                f"no space left on the device of {where!r} while spilling activation {site!r} "
+                f"({written} B written); free disk space, set Config.spill_dir to a larger disk, or raise "
+                f"Config.budget")
+        return SpillError(f"could not spill activation {site!r} to {where!r}: {error}")
 
     def read_into(self, handle: SpillHandle, segments: list[torch.Tensor], site: str) -> None:
         """Fill ``segments`` (uint8 views, any device, ``handle.nbytes`` in all) with the record's bytes.
