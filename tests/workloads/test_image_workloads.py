@@ -67,3 +67,14 @@ def test_missing_fashion_mnist_names_the_install(tmp_path):
     from daf.workloads.fashion_mnist import load_fashion_mnist
     with pytest.raises(FileNotFoundError, match="apt-get install -y dataset-fashion-mnist"):
         load_fashion_mnist("train", data_dir=tmp_path)
+
+
+@needs_fmnist
+def test_resnet18_fmnist_keeps_pixels_and_gives_the_same_batches_as_a_normalized_split():
+    from daf.workloads.fashion_mnist import load_fashion_mnist
+    workload = get_workload("resnet18-fmnist", train_size=256, eval_size=32, width=8)
+    assert workload.data()[0].dtype == torch.uint8  # 4x less resident memory than float32
+    normalized, labels = load_fashion_mnist("train")
+    images, targets = next(workload.batches(64, 1))
+    index = torch.tensor([int((normalized[:256] == image).flatten(1).all(1).nonzero()[0]) for image in images])
+    assert images.dtype == torch.float32 and torch.equal(images, normalized[index]) and torch.equal(targets, labels[index])

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from daf.workloads.base import check_positive, check_positive_number, seeded
-from daf.workloads.fashion_mnist import load_fashion_mnist
+from daf.workloads.fashion_mnist import load_fashion_mnist, normalize
 from daf.workloads.image_classification import ImageClassification
 from daf.workloads.resnet import ResNet18
 
@@ -39,7 +39,10 @@ class ResNet18FashionMNIST(ImageClassification):
         self.width, self.max_lr = width, float(max_lr)
 
     def _load(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (*load_fashion_mnist("train"), *load_fashion_mnist("test"))
+        return (*load_fashion_mnist("train", pixels=True), *load_fashion_mnist("test", pixels=True))
+
+    def prepare(self, images: torch.Tensor) -> torch.Tensor:
+        return normalize(images)
 
     def build_model(self) -> nn.Module:
         seeded(self.seed)
