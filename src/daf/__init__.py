@@ -7,11 +7,12 @@
 True
 """
 
-from daf.api import compress, report, session_of, unwrap, wrap
+from daf.api import allocator_status, compress, native_status, report, session_of, unwrap, wrap
 from daf.config import Config
 from daf.memory.errors import OutOfBudget
 from daf.report import Report
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "unwrap", "compress", "report", "session_of", "Config", "Report", "OutOfBudget"]
+__all__ = ["wrap", "unwrap", "compress", "report", "session_of", "Config", "Report", "OutOfBudget",
+           "allocator_status", "native_status"]

@@ -9,12 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from daf.allocator.native import AllocatorStatus
 from daf.allocator.native import install as install_allocator
+from daf.allocator.native import status as _allocator_status
 from daf.config import Config
 from daf.report import Report
 from daf.runtime import Session
 
-__all__ = ["wrap", "unwrap", "compress", "report", "session_of"]
+__all__ = ["wrap", "unwrap", "compress", "report", "session_of", "allocator_status", "native_status"]
 
 _ATTR = "_daf_attachment"
 
@@ -144,3 +146,16 @@ def compress(model: nn.Module | None = None, config: Config | None = None, **ove
         session.end_forward()
         for handle in handles:
             handle.remove()
+
+
+def allocator_status() -> AllocatorStatus:
+    """Where this process's CPU tensors come from now (``name``, ``mode``: "in-process" when
+    ``daf.wrap`` made an allocator library PyTorch's CPU allocator, "preloaded" under ``daf run`` or
+    ``LD_PRELOAD``, "system" otherwise) and why, e.g. which package to install (docs/allocator.md)."""
+    return _allocator_status()
+
+
+def native_status() -> str:
+    """Whether DAF's native CPU kernels loaded (building them on first call), and why not if not."""
+    from daf.kernels import native_status as status
+    return status()

@@ -121,3 +121,42 @@ def test_masks_with_checkpointing_and_nested_compress():
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert float((got - reference).norm() / reference.norm()) < 0.02
     assert any(r.kind == "mask" for r in daf.report(model).rows)
+
+
+def _whole_tensor_pack(bits):
+    """The encoders' bytes, computed over the whole tensor at once (the oracle of the sliced passes)."""
+    padded = torch.zeros(mask_bytes(bits.numel()) * 8, dtype=torch.uint8)
+    padded[: bits.numel()] = bits
+    return (padded.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(dim=1, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("numel", [1, 7, 64, 65, 130, 1000, 4099])
+def test_sliced_passes_give_the_whole_tensor_bytes_across_slice_edges(monkeypatch, numel):
+    import daf.codec.mask as mask
+    monkeypatch.setattr(mask, "_CHUNK", 64)
+    monkeypatch.setattr(mask, "_SAMPLE", 16)
+    generator = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=generator)
+    relu = x.clamp(min=0)
+    packed = encode_relu_mask(relu)
+    assert torch.equal(packed.payload, _whole_tensor_pack(relu > 0))
+    assert torch.equal(decode_mask(packed), (relu > 0).float())
+    assert torch.equal(mask.mask_bits(packed), relu > 0)
+    dropout = (torch.rand(numel, generator=generator) > 0.5).float() * 2.0
+    values = two_values(dropout)
+    assert values is not None and set(values) <= {0.0, 2.0}
+    assert torch.equal(decode_mask(encode_mask(dropout, values)), dropout)
+    if numel > 20:  # a third value beyond the sample and past the first slice is found
+        third = dropout.clone()
+        third[-1] = 3.0
+        assert two_values(third) is None
+
+
+def test_two_values_of_a_constant_tensor_longer_than_a_slice(monkeypatch):
+    import daf.codec.mask as mask
+    monkeypatch.setattr(mask, "_CHUNK", 64)
+    x = torch.full((1000,), -0.0)
+    assert two_values(x) == (-0.0, -0.0)
+    x[999] = 0.0  # +0.0 differs from -0.0 bit for bit
+    low, high = two_values(x)
+    assert str(low) == "-0.0" and str(high) == "0.0"

@@ -33,7 +33,7 @@ __all__ = ["ProbeOutcome", "run_probe_process", "bench_workload", "add_arguments
 _MIB = 1 << 20
 _POLL_SECONDS = 0.02
 # Start batches: small enough that every method fits on a laptop, large enough to time.
-_START = {"resnet18-fmnist": 32, "minilm-tweets": 16, "smollm-lora": 2, "tiny-mnist": 32}
+_START = {"resnet18-fmnist": 32, "minilm-tweets": 16, "smollm-lora": 2, "tiny-mnist": 128}
 _WORKLOAD_OPTIONS = {"resnet18-fmnist": {"eval_size": 100}, "minilm-tweets": {"eval_size": 100},
                      "smollm-lora": {"eval_size": 20}, "tiny-mnist": {}}
 
@@ -205,7 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds one probe may run (900)")
     parser.add_argument("--lock", help="a file to flock around each probe (a machine shared with other timings)")
     parser.add_argument("--quick", action="store_true",
-                        help="tiny-mnist, a 700MiB cap and three methods: under two minutes")
+                        help="tiny-mnist, a 600MiB cap, three methods and a coarse search: about a minute")
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--png", help="write the plot to this file")
 
@@ -213,8 +213,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cap = parse_size(args.cap, "cap")
     workloads = args.workloads.split(",")
-    if args.quick:
-        workloads, cap = ["tiny-mnist"], parse_size("700MiB", "cap") if args.cap == "3GiB" else cap
+    resolution = args.resolution
+    if args.quick:  # a smoke test of the whole path: three methods, a coarse search
+        workloads, cap = ["tiny-mnist"], parse_size("600MiB", "cap") if args.cap == "3GiB" else cap
+        resolution = max(resolution, 0.25)
     from daf.workloads import names
     unknown = [w for w in workloads if w not in names()]
     if unknown:
@@ -226,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             wanted = set(args.methods.split(","))
             methods = [m for m in methods if m.name in wanted]
         print(f"== {workload}: {len(methods)} methods, cap {cap / _MIB:.0f} MiB", file=sys.stderr, flush=True)
-        bench = bench_workload(workload, methods, cap, _START.get(workload, 16), args.resolution, args.timeout,
+        bench = bench_workload(workload, methods, cap, _START.get(workload, 16), resolution, args.timeout,
                                args.lock, log=lambda text: print(text, file=sys.stderr, flush=True))
         benches.append(bench)
         print(f"\n{workload}: largest batch under {cap / _MIB:.0f} MiB of peak RSS")

@@ -1,6 +1,8 @@
 """The ``daf`` command: train a real workload with DAF, or compare it with fp32 side by side.
 
     daf workloads
+    daf run [--allocator NAME] -- COMMAND ...      (a whole process on tcmalloc: docs/allocator.md)
+    daf bench memory [--workloads W,...] [--cap 3GiB] [--quick]   (docs/benchmarks.md)
     daf train WORKLOAD [--bits 2] [--policy uniform] [--budget 512MiB] [--steps N] [--batch B] [--fp32]
     daf compare WORKLOAD [--bits 2] [--steps N] [--batch B] [--json FILE] [--out DIR]
 
@@ -96,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--result-file", help=argparse.SUPPRESS)
     compare = commands.add_parser("compare", help="fp32 and DAF side by side, same seed and data order")
     _common(compare, names())
+    from daf.cli.launch import add_arguments as launch_arguments
+    launch_arguments(commands.add_parser("run", help="run a command with a well-kept allocator preloaded"))
+    from daf.bench.memory import add_arguments as memory_arguments
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
+                                                                          metavar="BENCHMARK")
+    memory_arguments(bench.add_parser("memory", help="the largest batch that trains under a RAM cap"))
     return parser
 
 
@@ -219,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             cls = workload_class(name)
             print(f"{name:16} {cls.summary} (default {cls.default_steps} steps of batch {cls.default_batch})")
         return 0
+    if args.command == "run":
+        from daf.cli.launch import launch
+        return launch(parser, args)
+    if args.command == "bench":
+        from daf.bench import memory
+        return memory.run(args)
     options, overrides = _resolve(parser, args)
     try:
         if args.command == "train":

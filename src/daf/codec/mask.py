@@ -18,6 +18,7 @@ Two cases, both safe whatever the consumer is:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float
              torch.bfloat16: torch.int16, torch.bool: torch.uint8}
 MASK_DTYPES = tuple(_INT_VIEW)
 _SAMPLE = 4096
+# Elements per pass of the encoders and decoders (a multiple of 8): their temporaries are 1-2 bytes
+# per element of a slice, so a whole-tensor pass would add up to 75% of a float32 activation.
+_CHUNK = 1 << 20
 
 
 @dataclass
@@ -54,52 +58,63 @@ def mask_bytes(numel: int) -> int:
     return -(-numel // 8)
 
 
+def _chunks(numel: int, first: int = _CHUNK) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of consecutive slices of ``numel`` elements, the first ``first`` long, then
+    ``_CHUNK`` long: every pass over a tensor allocates temporaries of one slice, never of the tensor."""
+    start, size = 0, first
+    while start < numel:
+        yield start, min(start + size, numel)
+        start, size = start + size, _CHUNK
+
+
 def two_values(x: torch.Tensor) -> tuple[float, float] | None:
     """``(low, high)`` if every element of ``x`` is bit-for-bit one of two values, else None.
 
     x: float16|bfloat16|float32|float64|bool [*]. Looks at the first 4096 elements in
     memory order before reading the rest, so most tensors are refused in O(4096).
-    ``low`` is the value of the first element. O(numel) worst case.
+    ``low`` is the value of the first element. O(numel) worst case, temporaries O(1 MiB).
     """
     if x.dtype not in _INT_VIEW or x.numel() == 0 or x.is_meta:
         return None
     flat, _ = flatten_memory_order(x.detach())
     codes = flat.view(_INT_VIEW[x.dtype])
-    first = codes[:1]
-    for part in (codes[:_SAMPLE], codes):
-        other = part != first
-        hits = torch.nonzero(other)
-        if hits.numel() == 0:
-            if part.numel() == codes.numel():
-                value = _scalar(flat[0])
-                return value, value
-            continue
-        second = part[hits[0, 0]]
+    first, second, where = codes[:1], None, 0
+    for start, end in _chunks(codes.numel(), _SAMPLE):
+        part = codes[start:end]
+        if second is None:
+            other = part != first
+            if not bool(other.any()):
+                continue
+            where = start + int(other.view(torch.uint8).argmax())  # the first element that differs
+            second = codes[where:where + 1]
         if not bool(((part == first) | (part == second)).all()):
             return None
-        pick = flat[: part.numel()]
-        low, high = _scalar(pick[0]), _scalar(pick[int(hits[0, 0])])
-        if part.numel() == codes.numel():
-            return low, high
-    return None  # pragma: no cover - the loop returns on its last pass
+    return _scalar(flat[0]), _scalar(flat[where])
 
 
 def _scalar(t: torch.Tensor) -> float:
     return bool(t) if t.dtype == torch.bool else float(t)
 
 
-def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """bool [n] -> uint8 [ceil(n / 8)], bit ``j % 8`` of byte ``j // 8``."""
-    n = bits.numel()
-    padded = torch.zeros(mask_bytes(n) * 8, dtype=torch.uint8, device=bits.device)
-    padded[:n] = bits
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return (padded.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+def _pack_bits(flat: torch.Tensor, bit_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """[n] -> uint8 [ceil(n / 8)]: bit ``j % 8`` of byte ``j // 8`` is ``bit_of(flat)[j]``, computed
+    slice by slice (a whole-tensor bool and its shifted copy would be 2 bytes per element)."""
+    n = flat.numel()
+    payload = torch.empty(mask_bytes(n), dtype=torch.uint8, device=flat.device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=flat.device)
+    for start, end in _chunks(n):
+        bits = bit_of(flat[start:end]).view(torch.uint8)
+        if (end - start) % 8:
+            bits = torch.cat([bits, bits.new_zeros(8 - (end - start) % 8)])
+        payload[start // 8: start // 8 + bits.numel() // 8] = (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+    return payload
 
 
-def _unpack_bits(payload: torch.Tensor, numel: int) -> torch.Tensor:
+def _unpack_bits(payload: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """bool [end - start]: bits ``start`` to ``end`` of ``payload`` (``start`` a multiple of 8)."""
     shifts = torch.arange(8, dtype=torch.uint8, device=payload.device)
-    return ((payload.view(-1, 1) >> shifts) & 1).view(-1)[:numel].bool()
+    bytes_ = payload[start // 8: mask_bytes(end)]
+    return ((bytes_.view(-1, 1) >> shifts) & 1).view(-1)[: end - start].bool()
 
 
 def encode_mask(x: torch.Tensor, values: tuple[float, float]) -> MaskPacked:
@@ -112,8 +127,8 @@ def encode_mask(x: torch.Tensor, values: tuple[float, float]) -> MaskPacked:
     flat, order = flatten_memory_order(x.detach())
     low, high = values
     codes = flat.view(_INT_VIEW[x.dtype])
-    bits = codes != codes[:1]  # the first element holds ``low``: compare bit patterns, NaN and -0.0 included
-    return MaskPacked(_pack_bits(bits), tuple(x.shape), order, x.dtype, 1, 0, low=low, high=high)
+    first = codes[:1]  # holds ``low``: compare bit patterns, NaN and -0.0 included
+    return MaskPacked(_pack_bits(codes, lambda part: part != first), tuple(x.shape), order, x.dtype, 1, 0, low=low, high=high)
 
 
 def encode_relu_mask(result: torch.Tensor) -> MaskPacked:
@@ -124,18 +139,23 @@ def encode_relu_mask(result: torch.Tensor) -> MaskPacked:
     if not result.dtype.is_floating_point:
         raise ValueError(f"encode_relu_mask takes ReLU's floating-point output, got {result.dtype}")
     flat, order = flatten_memory_order(result.detach())
-    return MaskPacked(_pack_bits(flat > 0), tuple(result.shape), order, result.dtype, 1, 0, low=0.0, high=1.0)
+    return MaskPacked(_pack_bits(flat, lambda part: part > 0), tuple(result.shape), order, result.dtype, 1, 0, low=0.0, high=1.0)
 
 
 def mask_bits(packed: MaskPacked) -> torch.Tensor:
     """The mask's bits in memory order: bool [numel] (for a ReLU mask, where the output is > 0). O(numel)."""
-    return _unpack_bits(packed.payload, packed.numel)
+    bits = torch.empty(packed.numel, dtype=torch.bool, device=packed.payload.device)
+    for start, end in _chunks(packed.numel):
+        bits[start:end] = _unpack_bits(packed.payload, start, end)
+    return bits
 
 
 def decode_mask(packed: MaskPacked) -> torch.Tensor:
     """The tensor of ``packed``: ``high`` where the bit is set, ``low`` elsewhere; same shape and strides order."""
-    bits = _unpack_bits(packed.payload, packed.numel)
-    low = torch.tensor(packed.low, dtype=packed.dtype, device=bits.device)
-    high = torch.tensor(packed.high, dtype=packed.dtype, device=bits.device)
-    flat = torch.where(bits, high, low)
+    device = packed.payload.device
+    low = torch.tensor(packed.low, dtype=packed.dtype, device=device)
+    high = torch.tensor(packed.high, dtype=packed.dtype, device=device)
+    flat = torch.empty(packed.numel, dtype=packed.dtype, device=device)
+    for start, end in _chunks(packed.numel):
+        torch.where(_unpack_bits(packed.payload, start, end), high, low, out=flat[start:end])
     return restore_memory_order(flat, packed.shape, packed.order)
