@@ -81,7 +81,8 @@ def _daf(*argv):
 def test_compare_runs_both_arms_with_the_same_seed_and_data(tmp_path):
     path = tmp_path / "compare.json"
     done = subprocess.run(_daf("compare", "tiny-mnist", "--steps", "3", "--seed", "5", *TINY, "--bits", "4",
-                               "--json", str(path), "--no-plots"), capture_output=True, text=True, timeout=300)
+                               "--fp32-allocator", "system", "--json", str(path), "--no-plots"),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     data = json.loads(path.read_text())
     fp32, compressed = data["runs"]["fp32"], data["runs"]["daf"]
@@ -90,7 +91,11 @@ def test_compare_runs_both_arms_with_the_same_seed_and_data(tmp_path):
     assert fp32["steps_done"] == compressed["steps_done"] == 3
     assert fp32["init_digest"] == compressed["init_digest"] and fp32["data_digest"] == compressed["data_digest"]
     assert fp32["config"] is None and compressed["config"]["bits"] == 4
-    assert "DAF vs fp32: accuracy" in done.stdout and "fp32" in done.stdout and "DAF 4-bit" in done.stdout
+    assert "DAF vs fp32 (system malloc): accuracy" in done.stdout and "DAF 4-bit" in done.stdout
+    # the fp32 arm ran as a plain PyTorch user runs it; the DAF arm on DAF's allocator (when one is installed)
+    from daf.allocator import resolve
+    assert fp32["allocator"]["mode"] == "system" and compressed["allocator"]["name"] == resolve("auto").name
+    assert "fp32 (system malloc)" in done.stdout
 
 
 def _descendants(pid):

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--result-file", help=argparse.SUPPRESS)
     compare = commands.add_parser("compare", help="fp32 and DAF side by side, same seed and data order")
     _common(compare, names())
+    compare.add_argument("--fp32-allocator", choices=("auto", "system", *ALLOCATORS), dest="fp32_allocator",
+                         help="the fp32 arm's allocator (default: --allocator's); 'system' runs it as a plain "
+                              "PyTorch user does")
     from daf.cli.launch import add_arguments as launch_arguments
     launch_arguments(commands.add_parser("run", help="run a command with a well-kept allocator preloaded"))
     from daf.bench.memory import add_arguments as memory_arguments
@@ -134,8 +137,9 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
 
 
 def _train_argv(args: argparse.Namespace, fp32: bool) -> list[str]:
+    allocator = (getattr(args, "fp32_allocator", None) or args.allocator) if fp32 else args.allocator
     argv = [args.workload, "--seed", str(args.seed), "--trace-step", str(args.trace_step), "--no-plots",
-            "--allocator", args.allocator]
+            "--allocator", allocator]
     for flag in ("steps", "batch"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag}", str(getattr(args, flag))]

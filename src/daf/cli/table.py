@@ -35,12 +35,18 @@ def _row(run: dict[str, Any]) -> list[str]:
     raw, stored = activations.get("raw_bytes"), activations.get("stored_bytes")
     ratio = f"{raw / stored:.1f}x" if raw and stored else "-"
     step = run.get("median_step_seconds")
-    label = run["arm"] if run["arm"] == "fp32" else _daf_label(run)
+    label = (run["arm"] if run["arm"] == "fp32" else _daf_label(run)) + _allocator_label(run)
     steps = f"{run['steps_done']}/{run['steps_requested']}"
     peak, start = run.get("peak_rss_bytes"), run.get("start_rss_bytes")
     growth = None if peak is None or start is None else peak - start
     return [label, steps, _metric_text(run), _mib(raw), _mib(stored), ratio, _mib(peak), _mib(growth),
             "-" if step is None else f"{1000 * step:.0f}"]
+
+
+def _allocator_label(run: dict[str, Any]) -> str:
+    """Where the run's tensors came from (the process's memory depends on it as much as on DAF)."""
+    name = (run.get("allocator") or {}).get("name")
+    return f" ({'system malloc' if name == 'system' else name})" if name else ""
 
 
 def _daf_label(run: dict[str, Any]) -> str:
@@ -98,4 +104,5 @@ def difference(fp32: dict[str, Any], compressed: dict[str, Any]) -> str:
             parts.append(f"RSS growth in training x{growth[1] / growth[0]:.2f}")
     if fp32.get("median_step_seconds") and compressed.get("median_step_seconds"):
         parts.append(f"step time x{compressed['median_step_seconds'] / fp32['median_step_seconds']:.2f}")
-    return "DAF vs fp32: " + ", ".join(parts) if parts else "DAF vs fp32: nothing to compare"
+    against = "DAF vs fp32" + _allocator_label(fp32)
+    return f"{against}: " + ", ".join(parts) if parts else f"{against}: nothing to compare"

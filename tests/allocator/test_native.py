@@ -1,0 +1,302 @@
+"""DAF's in-process CPU allocator (daf.allocator.native and csrc/allocator.cpp).
+
+Installing it is process-wide and cached, so every test that installs runs in a child process
+(``sys.executable -c``) that prints one ``RESULT {json}`` line.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import daf
+from daf.allocator.libraries import INSTALL_HINTS, find_library
+from daf.allocator.native import AllocatorStatus, TensorBytes, install, preloaded, status, tensor_bytes
+
+TCMALLOC = find_library("tcmalloc")
+needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None,
+                                    reason="tcmalloc is not installed (apt-get install libtcmalloc-minimal4)")
+MIB = 1 << 20
+
+_PRELUDE = """
+import json, sys, warnings
+def emit(**values):
+    print("RESULT " + json.dumps(values), flush=True)
+"""
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(extra)
+    return env
+
+
+def _start(code, env=None):
+    return subprocess.Popen([sys.executable, "-c", _PRELUDE + textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env or _env())
+
+
+def _finish(process, timeout=120):
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, f"child exited {process.returncode}:\n{err[-3000:]}"
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, out
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def _child(code, env=None):
+    return _finish(_start(code, env))
+
+
+# --- in this process: only what installs nothing ---------------------------------------------------
+
+def test_public_status_functions_exist_and_have_their_types():
+    assert isinstance(daf.allocator_status(), AllocatorStatus)
+    assert daf.allocator_status().mode in ("in-process", "preloaded", "system")
+    assert isinstance(daf.native_status(), str) and daf.native_status()
+    assert {"allocator_status", "native_status"} <= set(daf.__all__)
+
+
+def test_unknown_name_raises_and_installs_nothing():
+    before = status()
+    with pytest.raises(ValueError, match="'bogus'"):
+        install("bogus")
+    assert status() == before
+
+
+def test_tensor_bytes_is_none_unless_installed_in_process():
+    if status().mode != "in-process":
+        assert tensor_bytes() is None
+    else:  # another test of this session wrapped a model
+        assert isinstance(tensor_bytes(), TensorBytes)
+
+
+# --- in child processes ----------------------------------------------------------------------------
+
+def test_fresh_process_is_on_the_system_allocator():
+    result = _child("""
+        from daf.allocator.native import status, preloaded, tensor_bytes
+        import torch
+        torch.ones(1000)
+        s = status()
+        emit(mode=s.mode, name=s.name, path=s.path, preloaded=preloaded() is None, bytes=tensor_bytes() is None)
+    """)
+    assert result == {"mode": "system", "name": "system", "path": None, "preloaded": True, "bytes": True}
+
+
+@needs_tcmalloc
+def test_install_auto_makes_tcmalloc_the_cpu_allocator():
+    result = _child("""
+        from daf.allocator.native import install, status
+        import torch
+        returned = install("auto")
+        again = install("auto")
+        emit(returned=returned.__dict__, status=status().__dict__, same=returned is again,
+             allocator=type(torch.empty(1).untyped_storage()).__name__)
+    """)
+    assert result["returned"] == result["status"]
+    assert result["status"]["mode"] == "in-process" and result["status"]["name"] == "tcmalloc"
+    assert result["status"]["path"] == TCMALLOC
+    assert result["same"]
+
+
+@needs_tcmalloc
+def test_tensor_bytes_follow_a_64_mib_tensor_and_reset_peak():
+    result = _child("""
+        from daf.allocator.native import install, tensor_bytes
+        import torch
+        install("auto")
+        start = tensor_bytes()
+        x = torch.ones(16 << 20)  # 64 MiB of float32
+        held = tensor_bytes()
+        x.add_(1)
+        assert bool((x == 2).all())
+        del x
+        freed = tensor_bytes(reset_peak=True)
+        after_reset = tensor_bytes()
+        y = torch.ones(1 << 20)  # 4 MiB
+        small = tensor_bytes()
+        emit(start=start.__dict__, held=held.__dict__, freed=freed.__dict__, after_reset=after_reset.__dict__,
+             small=small.__dict__)
+    """)
+    start, held, freed, after, small = (result[k] for k in ("start", "held", "freed", "after_reset", "small"))
+    assert held["live_bytes"] - start["live_bytes"] >= 64 * MIB
+    assert held["allocations"] > start["allocations"]
+    assert held["peak_bytes"] >= held["live_bytes"]
+    assert freed["live_bytes"] <= held["live_bytes"] - 64 * MIB
+    assert freed["frees"] > held["frees"]
+    assert freed["peak_bytes"] >= held["live_bytes"]  # read before the reset
+    assert after["peak_bytes"] == after["live_bytes"] < 64 * MIB  # the reset: peak is what is live now
+    assert small["live_bytes"] - after["live_bytes"] >= 4 * MIB
+    assert small["peak_bytes"] >= small["live_bytes"] and small["peak_bytes"] < 64 * MIB
+
+
+@needs_tcmalloc
+def test_tensor_allocated_before_install_keeps_its_values_and_its_deleter():
+    result = _child("""
+        from daf.allocator.native import install, tensor_bytes
+        import torch
+        old = torch.arange(4 << 20, dtype=torch.float64)  # 32 MiB from the system allocator
+        install("auto")
+        fresh = torch.arange(4 << 20, dtype=torch.float64)  # from tcmalloc
+        intact = bool(torch.equal(old, fresh))
+        before = tensor_bytes()
+        del old  # freed by c10's own deleter, not the library's
+        after = tensor_bytes()
+        fresh.mul_(2)
+        emit(intact=intact, before=before.__dict__, after=after.__dict__, total=float(fresh.sum()))
+    """)
+    assert result["intact"]
+    assert result["after"]["live_bytes"] == result["before"]["live_bytes"]
+    assert result["after"]["frees"] == result["before"]["frees"]
+    n = 4 << 20
+    assert result["total"] == float(n * (n - 1))
+
+
+_TRAINING_STEP = """
+    import hashlib, torch
+    from torch import nn
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    x, y = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.grad.numpy().tobytes())
+    from daf.allocator.native import status, tensor_bytes
+    figures = tensor_bytes()
+    emit(loss=loss.item(), grads=digest.hexdigest(), mode=status().mode,
+         allocations=figures.allocations if figures else 0)
+"""
+
+
+@needs_tcmalloc
+def test_training_step_is_bit_identical_with_and_without_the_allocator():
+    installed = _start("from daf.allocator.native import install\ninstall('auto')\n" + textwrap.dedent(_TRAINING_STEP))
+    plain = _start(_TRAINING_STEP)
+    with_allocator, without = _finish(installed), _finish(plain)
+    assert with_allocator["mode"] == "in-process" and with_allocator["allocations"] > 10
+    assert without["mode"] == "system"
+    assert with_allocator["loss"] == without["loss"]
+    assert with_allocator["grads"] == without["grads"]
+
+
+@needs_tcmalloc
+def test_wrap_installs_the_allocator():
+    result = _child("""
+        import torch, daf
+        before = daf.allocator_status().mode
+        model = daf.wrap(torch.nn.Linear(8, 8))
+        model(torch.randn(4, 8)).sum().backward()
+        from daf.allocator.native import tensor_bytes
+        emit(before=before, after=daf.allocator_status().__dict__, counted=tensor_bytes().allocations)
+    """)
+    assert result["before"] == "system"
+    assert result["after"]["mode"] == "in-process" and result["after"]["name"] == "tcmalloc"
+    assert result["counted"] > 0
+
+
+def test_wrap_with_the_system_allocator_installs_nothing():
+    result = _child("""
+        import torch, daf
+        model = daf.wrap(torch.nn.Linear(8, 8), allocator="system")
+        model(torch.randn(4, 8)).sum().backward()
+        from daf.allocator.native import tensor_bytes
+        emit(status=daf.allocator_status().__dict__, bytes=tensor_bytes() is None)
+    """)
+    assert result["status"]["mode"] == "system" and result["status"]["name"] == "system"
+    assert result["bytes"]
+
+
+@needs_tcmalloc
+def test_preloaded_library_is_reported_and_install_returns_it():
+    result = _child("""
+        import torch
+        from daf.allocator.native import install, preloaded, status, tensor_bytes
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            returned = install("auto")
+        emit(status=status().__dict__, returned=returned.__dict__, preloaded=preloaded().__dict__,
+             warnings=len(caught), bytes=tensor_bytes() is None, works=float(torch.ones(10).sum()))
+    """, env=_env(LD_PRELOAD=TCMALLOC))
+    assert result["status"]["mode"] == "preloaded" and result["status"]["name"] == "tcmalloc"
+    assert result["status"]["path"] == TCMALLOC
+    assert result["returned"] == result["status"] == result["preloaded"]
+    assert result["warnings"] == 0 and result["bytes"] and result["works"] == 10.0
+
+
+def test_a_preload_of_something_else_is_not_an_allocator(tmp_path):
+    result = _child("""
+        from daf.allocator.native import preloaded, status
+        emit(preloaded=preloaded() is None, mode=status().mode)
+    """, env=_env(LD_PRELOAD="libm.so.6"))
+    assert result == {"preloaded": True, "mode": "system"}
+
+
+def test_missing_library_warns_once_naming_the_install_command():
+    result = _child("""
+        from daf.allocator import libraries
+        libraries.find_library = lambda name: None  # as on a machine without the library
+        import torch
+        from daf.allocator.native import install, status, tensor_bytes
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            returned = install("mimalloc")
+            again = install("mimalloc")
+        runtime = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        x = torch.randn(100, 100, requires_grad=True)
+        (x @ x).sum().backward()
+        emit(warnings=runtime, other=len(caught) - len(runtime), returned=returned.__dict__,
+             same=returned == again, mode=status().mode, grad=bool(torch.isfinite(x.grad).all()),
+             bytes=tensor_bytes() is None)
+    """)
+    assert len(result["warnings"]) == 1 and result["other"] == 0
+    assert INSTALL_HINTS["mimalloc"] in result["warnings"][0]
+    assert result["returned"]["mode"] == "system" and result["returned"]["path"] is None
+    assert INSTALL_HINTS["mimalloc"] in result["returned"]["reason"]
+    assert result["same"] and result["mode"] == "system" and result["grad"] and result["bytes"]
+
+
+def test_install_system_installs_nothing():
+    result = _child("""
+        from daf.allocator.native import install, status, tensor_bytes
+        import torch
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            returned = install("system")
+        torch.ones(100)
+        emit(returned=returned.__dict__, mode=status().mode, warnings=len(caught), bytes=tensor_bytes() is None)
+    """)
+    assert result["returned"]["mode"] == "system" and result["mode"] == "system"
+    assert result["warnings"] == 0 and result["bytes"]
+
+
+@needs_tcmalloc
+@pytest.mark.xfail(strict=True, reason="src bug: install() of a second allocator after one is installed in-process "
+                                      "warns and returns mode 'system', though tensors still come from the first "
+                                      "(status() says 'in-process'); it should return the real status")
+def test_second_install_reports_the_allocator_actually_in_use():
+    if find_library("jemalloc") is None:
+        pytest.fail("needs jemalloc beside tcmalloc")  # keeps the strict xfail meaningful only where both exist
+    result = _child("""
+        from daf.allocator.native import install, status
+        import torch
+        install("tcmalloc")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            second = install("jemalloc")
+        emit(second=second.__dict__, status=status().__dict__)
+    """)
+    assert result["status"]["mode"] == "in-process" and result["status"]["name"] == "tcmalloc"
+    assert result["second"] == result["status"]
