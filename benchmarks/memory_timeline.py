@@ -92,8 +92,8 @@ def summarize(fp32: dict[str, Any], compressed: dict[str, Any], top: int = 6) ->
         lines.append(f"{arm:5} tensor peak {(peak - start[arm]) / _MIB:7.1f} MiB above the step's start "
                      f"(at {name}); RSS grew {rss / _MIB:.1f} MiB during the step")
     gradients = 2 * compressed["parameter_bytes"]  # new gradients and the optimizer's state
-    lines.append(f"stored activations {compressed['stored_bytes'] / _MIB:.1f} MiB; gradients and momentum "
-                 f"{gradients / _MIB:.1f} MiB (present from the previous step in both arms)")
+    lines.append(f"stored activations {compressed['stored_bytes'] / _MIB:.1f} MiB (DAF's page pool: a mapping of "
+                 f"its own, not in the tensor bytes); gradients and momentum {gradients / _MIB:.1f} MiB")
     excess = []
     for (name, _, peak_f, _), (name_d, _, peak_d, _) in zip(fp32["events"], compressed["events"]):
         if name == name_d:

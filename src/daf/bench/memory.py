@@ -117,10 +117,14 @@ def run_probe_process(workload: str, method: Method, batch: int, steps: int, cap
 
 
 def bench_workload(workload: str, methods: list[Method], cap: int, start: int, resolution: float,
-                   timeout: float, lock: str | None, log: Any = print) -> dict[str, Any]:
+                   timeout: float, lock: str | None, log: Any = print,
+                   on_method: Any = None) -> dict[str, Any]:
     """Each method's largest batch under ``cap``, with its probes, and its step time and peak RSS at
-    ``start`` (the common batch: four steps there, the median of the last three timed)."""
-    results = []
+    ``start`` (the common batch: four steps there, the median of the last three timed).
+    ``on_method(partial)`` is called after each method with the figures so far (a long run that is
+    stopped keeps what it measured)."""
+    results: list[dict[str, Any]] = []
+    partial = {"workload": workload, "start": start, "resolution": resolution, "methods": results}
     for method in methods:
         outcomes: list[ProbeOutcome] = []
 
@@ -128,8 +132,10 @@ def bench_workload(workload: str, methods: list[Method], cap: int, start: int, r
             steps = 4 if batch == start and not outcomes else 2
             outcome = run_probe_process(workload, method, batch, steps, cap, timeout, lock)
             outcomes.append(outcome)
+            timed = outcome.step_seconds[1:] or outcome.step_seconds
             log(f"  {workload} | {method.name} | batch {batch}: "
-                + (f"fits, peak {outcome.peak_rss_bytes / _MIB:.0f} MiB" if outcome.fits else f"no ({outcome.reason})"))
+                + (f"fits, peak {outcome.peak_rss_bytes / _MIB:.0f} MiB, step {1000 * statistics.median(timed):.0f} ms"
+                   if outcome.fits else f"no ({outcome.reason})"))
             return outcome.fits, outcome.peak_rss_bytes
 
         found = largest_fitting(fits, start=start, cap=cap, resolution=resolution)
@@ -140,7 +146,9 @@ def bench_workload(workload: str, methods: list[Method], cap: int, start: int, r
         results.append({"method": method.to_dict(), "largest_batch": found.batch, "failed_at": found.failed_at,
                         "peak_rss_bytes": best.peak_rss_bytes if best else None, "at_start": at_start,
                         "probes": [o.to_dict() for o in outcomes]})
-    return {"workload": workload, "start": start, "resolution": resolution, "methods": results}
+        if on_method is not None:
+            on_method(partial)
+    return partial
 
 
 def format_table(bench: dict[str, Any]) -> str:
@@ -221,7 +229,18 @@ def run(args: argparse.Namespace) -> int:
     unknown = [w for w in workloads if w not in names()]
     if unknown:
         raise SystemExit(f"daf bench memory: unknown workload(s) {unknown}; allowed: {', '.join(names())}")
-    benches = []
+    benches: list[dict[str, Any]] = []
+    record = {"schema": "daf.bench.memory/1", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+              "cap_bytes": cap, "command": " ".join(["daf bench memory", *sys.argv[3:]]), "complete": False,
+              "workloads": benches}
+
+    def save(partial: dict[str, Any] | None = None) -> None:
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            shown = benches + ([partial] if partial is not None and partial not in benches else [])
+            Path(args.json).write_text(json.dumps({**record, "workloads": shown}, indent=1))
+
     for workload in workloads:
         methods = methods_for(workload, cap, quick=args.quick)
         if args.methods:
@@ -229,16 +248,13 @@ def run(args: argparse.Namespace) -> int:
             methods = [m for m in methods if m.name in wanted]
         print(f"== {workload}: {len(methods)} methods, cap {cap / _MIB:.0f} MiB", file=sys.stderr, flush=True)
         bench = bench_workload(workload, methods, cap, _START.get(workload, 16), resolution, args.timeout,
-                               args.lock, log=lambda text: print(text, file=sys.stderr, flush=True))
+                               args.lock, log=lambda text: print(text, file=sys.stderr, flush=True), on_method=save)
         benches.append(bench)
         print(f"\n{workload}: largest batch under {cap / _MIB:.0f} MiB of peak RSS")
         print(format_table(bench), flush=True)
-    record = {"schema": "daf.bench.memory/1", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-              "cap_bytes": cap, "command": " ".join(["daf bench memory", *sys.argv[3:]]), "workloads": benches}
+    record["complete"] = True
+    save()
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=1))
         print(f"figures: {args.json}")
     if args.png:
         print(f"plot: {plot(benches, Path(args.png), cap)}")
