@@ -282,9 +282,6 @@ def test_install_system_installs_nothing():
 
 @needs_tcmalloc
 @pytest.mark.skipif(find_library("jemalloc") is None, reason="needs jemalloc beside tcmalloc")
-@pytest.mark.xfail(strict=True, reason="src bug: install() of a second allocator after one is installed in-process "
-                                      "warns and returns mode 'system', though tensors still come from the first "
-                                      "(status() says 'in-process'); it should return the real status")
 def test_second_install_reports_the_allocator_actually_in_use():
     result = _child("""
         from daf.allocator.native import install, status

@@ -139,10 +139,6 @@ def test_run_rejects_unknown_workloads(tmp_path, fake_bench):
     assert fake_bench == []
 
 
-@pytest.mark.xfail(strict=True, reason="src bug (daf.bench.memory.run): the JSON's 'command' is built from "
-                                      "sys.argv[3:], which is right only for `daf bench memory ...`; under "
-                                      "`python -m daf.bench memory ...` (documented as the same) it drops the "
-                                      "first option, e.g. --quick")
 def test_command_recorded_under_python_m_daf_bench(tmp_path, fake_bench, monkeypatch):
     from daf.bench.__main__ import main
     path = tmp_path / "m.json"

@@ -93,6 +93,12 @@ def install(name: str = "auto") -> AllocatorStatus:
         warnings.warn(f"DAF: {reason}; tensors use the system allocator", RuntimeWarning, stacklevel=3)
         return AllocatorStatus("system", "system", None, reason)
     message = ctypes.create_string_buffer(512)
+    current = status()
+    if current.mode == "in-process" and current.path != resolved.path:
+        # One CPU allocator per process: tensors keep coming from the first one installed.
+        warnings.warn(f"DAF: {current.name} is PyTorch's CPU allocator already; {resolved.name} is not installed "
+                      f"(the first wrap of the process decides)", RuntimeWarning, stacklevel=3)
+        return current
     if library.daf_allocator_install(resolved.path.encode(), message, len(message)) != 0:
         reason = f"{resolved.name} at {resolved.path} could not be installed: {message.value.decode()}"
         warnings.warn(f"DAF: {reason}; tensors use the system allocator", RuntimeWarning, stacklevel=3)

@@ -10,8 +10,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="daf bench")
     commands = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     memory.add_arguments(commands.add_parser("memory", help="the largest batch that trains under a RAM cap"))
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    return memory.run(args)
+    return memory.run(args, " ".join(["daf bench", *argv]))
 
 
 if __name__ == "__main__":

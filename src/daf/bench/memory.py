@@ -218,7 +218,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", help="write the plot to this file")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, command: str | None = None) -> int:
+    """Run the benchmark; ``command`` is the command line recorded in the JSON (default: from sys.argv)."""
     cap = parse_size(args.cap, "cap")
     workloads = args.workloads.split(",")
     resolution = args.resolution
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     benches: list[dict[str, Any]] = []
     record = {"schema": "daf.bench.memory/1", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-              "cap_bytes": cap, "command": " ".join(["daf bench memory", *sys.argv[3:]]), "complete": False,
+              "cap_bytes": cap, "command": command or " ".join(["daf bench memory", *sys.argv[3:]]), "complete": False,
               "workloads": benches}
 
     def save(partial: dict[str, Any] | None = None) -> None:

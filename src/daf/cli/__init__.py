@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         return launch(parser, args)
     if args.command == "bench":
         from daf.bench import memory
-        return memory.run(args)
+        return memory.run(args, " ".join(["daf", *argv]))
     options, overrides = _resolve(parser, args)
     try:
         if args.command == "train":
