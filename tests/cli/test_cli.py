@@ -153,3 +153,18 @@ def test_ctrl_c_during_compare_keeps_the_first_arm(tmp_path):
     data = json.loads(path.read_text())
     assert data["interrupted"] and list(data["runs"]) == ["fp32"] and data["runs"]["fp32"]["steps_done"] > 0
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("allocator", ["auto", "system"])
+def test_train_runs_the_whole_process_on_the_allocator_unless_system(tmp_path, allocator):
+    from daf.allocator import resolve
+    path = tmp_path / "run.json"
+    done = subprocess.run(_daf("train", "tiny-mnist", "--steps", "1", *TINY, "--allocator", allocator,
+                               "--json", str(path), "--no-plots", "--no-progress"),
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "LD_PRELOAD": ""})
+    assert done.returncode == 0, done.stderr
+    used = json.loads(path.read_text())["runs"]["daf"]["allocator"]
+    if allocator == "system" or resolve("auto").path is None:
+        assert used["mode"] == "system"
+    else:  # `daf train` started itself again with the library preloaded, as `daf run` does
+        assert used["mode"] == "preloaded" and used["path"] == resolve("auto").path

@@ -185,7 +185,26 @@ def _finish(args: argparse.Namespace, argv: list[str], runs: dict[str, dict[str,
     return EXIT_INTERRUPTED if interrupted else 0
 
 
+_WHOLE_PROCESS = "DAF_TRAIN_PRELOADED"
+
+
+def _run_on_the_whole_process_allocator(argv: list[str], allocator: str) -> None:
+    """Start this ``daf train`` again with the allocator preloaded (``daf run``'s convention), so that
+    every malloc of the run is tcmalloc's, not only PyTorch's tensors (docs/allocator.md: the same
+    peak, 100 MiB less growth in training). Returns when there is nothing to preload."""
+    import os
+
+    from daf.allocator import preload_env
+    extra = preload_env(allocator)
+    if not extra or os.environ.get(_WHOLE_PROCESS):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "daf.cli", *argv], {**os.environ, **extra, _WHOLE_PROCESS: "1"})
+
+
 def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], overrides: dict[str, Any] | None) -> int:
+    _run_on_the_whole_process_allocator(argv, args.allocator)
     from daf.workloads.train import RunSettings, run_training
     settings = RunSettings(args.workload, options, args.steps, args.batch, overrides, args.trace_step,
                            progress=not args.no_progress, allocator=args.allocator)
