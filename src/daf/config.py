@@ -8,11 +8,24 @@
 Traceback (most recent call last):
 ...
 ValueError: Config.bits must be one of (1, 2, 4, 8) with policy='uniform', got 3
+
+A ``Config`` is immutable; ``replace`` gives a validated copy:
+
+>>> c = Config()
+>>> c.bits = 4
+Traceback (most recent call last):
+...
+dataclasses.FrozenInstanceError: daf.Config is immutable: cannot set 'bits'; use config.replace(bits=...) for a validated copy
+>>> c.replace(bits=4).bits
+4
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,12 +85,56 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-@dataclass
+def _check_field_names(names: Any) -> None:
+    """``ValueError`` naming the unknown ones among ``names`` (keywords of ``Config`` or ``replace``)."""
+    known = [f.name for f in dataclasses.fields(Config)]
+    unknown = [name for name in names if name not in known]
+    if not unknown:
+        return
+    allowed = sorted(set(known) - {"version"})
+    hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, allowed, 1))
+             else repr(name) for name in unknown]
+    raise ValueError(f"unknown Config field(s) {', '.join(hints)}; allowed: {', '.join(allowed)}")
+
+
+def _immutable(cls: type) -> type:
+    """Make a frozen dataclass say how to change it, and refuse unknown keywords with ``ValueError``.
+
+    ``Config(bitz=2)`` would raise ``TypeError`` from the generated ``__init__``; ``daf.wrap(m, bitz=2)``
+    and ``replace`` raise ``ValueError``: both now do. Assigning or deleting a field raises
+    ``dataclasses.FrozenInstanceError`` (an ``AttributeError``) pointing at ``replace``, so a
+    changed value can never skip validation.
+    """
+    generated_init = cls.__init__
+
+    @functools.wraps(generated_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _check_field_names(kwargs)
+        generated_init(self, *args, **kwargs)
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(
+            f"daf.Config is immutable: cannot set {name!r}; use config.replace({name}=...) "
+            f"for a validated copy")
+
+    def __delattr__(self: Any, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(
+            f"daf.Config is immutable: cannot delete {name!r}; use config.replace({name}=...) "
+            f"for a validated copy")
+
+    cls.__init__, cls.__setattr__, cls.__delattr__ = __init__, __setattr__, __delattr__
+    return cls
+
+
+@_immutable
+@dataclass(frozen=True)
 class Config:
     """How DAF compresses the activations of one wrapped model.
 
     Every field is checked in ``__post_init__``; a bad value raises ``ValueError``
-    naming the field, the value and what is allowed.
+    naming the field, the value and what is allowed, and so does an unknown keyword.
+    A ``Config`` is immutable (hashable too): ``config.replace(bits=4)`` returns a
+    validated copy; assigning a field raises ``dataclasses.FrozenInstanceError``.
 
     Attributes:
         bits: code width per element, one of 1, 2, 4, 8 with ``policy="uniform"``;
@@ -95,10 +152,11 @@ class Config:
         replan_every: steps between two re-plans of the adaptive policy.
         page_size: bytes per page of the activation pool; a power of two in [4KiB, 64MiB]. Each record
             wastes half a page on average: 4KiB keeps that under 1% on ResNet-18 (docs/paging.md).
-        spill_dir: parent directory for the private spill directory; None uses the system temp dir.
+        spill_dir: parent directory for the private spill directory: an existing directory this process
+            may write to, checked here; None uses the system temp dir.
         background: compress on a worker thread while forward goes on.
         masks: store exact 1-bit masks where that is all backward needs: ReLU's own saved output
-            (read by its backward only as ``result > 0``) and tensors holding two values (dropout
+            (read by its backward only as ``result <= 0`` or not) and tensors holding two values (dropout
             masks, booleans). Lossless; on by default (docs/policy.md).
         allocator: where PyTorch's CPU tensors come from once DAF is attached: "auto" (the best
             allocator found, tcmalloc first), "system" (leave the process as it is), or "tcmalloc",
@@ -134,14 +192,13 @@ class Config:
         _check_int("seed", self.seed, 0, 2**63 - 1)
         _check_choice("codec", self.codec, _CODECS)
         _check_choice("backend", self.backend, _BACKENDS)
-        self.budget = parse_size(self.budget, "budget")
+        object.__setattr__(self, "budget", parse_size(self.budget, "budget"))
         _check_choice("min_bits", self.min_bits, ALLOWED_BITS)
         _check_int("replan_every", self.replan_every, 1, None)
         _check_int("page_size", self.page_size, 4096, 64 * 2**20)
         if not _is_power_of_two(self.page_size):
             raise ValueError(f"Config.page_size must be a power of two in [4096, 67108864], got {self.page_size}")
-        if self.spill_dir is not None and not isinstance(self.spill_dir, str):
-            raise ValueError(f"Config.spill_dir must be a directory path string or None, got {self.spill_dir!r}")
+        _check_spill_dir(self.spill_dir)
         if not isinstance(self.background, bool):
             raise ValueError(f"Config.background must be True or False, got {self.background!r}")
         if not isinstance(self.masks, bool):
@@ -157,16 +214,13 @@ class Config:
         if self.policy == "uniform":
             if self.bits not in ALLOWED_BITS:
                 raise ValueError(f"Config.bits must be one of {ALLOWED_BITS} with policy='uniform', got {self.bits}")
-            self.bits = int(self.bits)
+            object.__setattr__(self, "bits", int(self.bits))
         elif not 1 <= self.bits <= 8:
             raise ValueError(f"Config.bits must be an average in [1, 8] with policy='adaptive', got {self.bits}")
 
     def replace(self, **overrides: Any) -> "Config":
         """A validated copy with some fields changed; unknown names raise ``ValueError``."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"unknown Config field(s) {unknown}; allowed: {sorted(known - {'version'})}")
+        _check_field_names(overrides)
         return dataclasses.replace(self, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +238,21 @@ def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
         raise ValueError(f"Config.{name} must be an integer {allowed}, got {value!r}")
     if value < low or (high is not None and value > high):
         raise ValueError(f"Config.{name} must be an integer {allowed}, got {value}")
+
+
+def _check_spill_dir(path: Any) -> None:
+    """``spill_dir`` is None or an existing directory this process may create files in (checked now,
+    not at the first spill, which may come hours into training)."""
+    if path is None:
+        return
+    allowed = "an existing directory this process can write to, or None (a private directory under the system temp dir)"
+    if not isinstance(path, str):
+        raise ValueError(f"Config.spill_dir must be {allowed}, as a path string; got {path!r}")
+    if not os.path.isdir(path):
+        why = "it is not a directory" if os.path.exists(path) else "it does not exist"
+        raise ValueError(f"Config.spill_dir must be {allowed}; got {path!r}: {why}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"Config.spill_dir must be {allowed}; got {path!r}: it is not writable")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:

@@ -54,6 +54,20 @@ def test_relu_mask_keeps_only_the_sign():
     assert torch.equal(decode_mask(encode_relu_mask(x)), torch.tensor([0.0, 1.0, 0.0, 1.0]))
 
 
+def test_relu_mask_is_threshold_backwards_bit_nan_included():
+    """``threshold_backward`` zeroes the gradient only where ``result <= 0``: a NaN output passes it,
+    so its bit is set (``result > 0`` would be false there and drop that gradient)."""
+    import daf.codec.mask as mask
+    x = torch.tensor([float("nan"), 0.0, -0.0, 1.5, float("inf"), 0.0, float("nan"), 2.0, 0.0])
+    passes = torch.tensor([True, False, False, True, True, False, True, True, False])
+    packed = encode_relu_mask(x)
+    assert torch.equal(mask.mask_bits(packed), passes)
+    assert torch.equal(decode_mask(packed), passes.float())
+    grad = torch.arange(1.0, 10.0)
+    assert torch.equal(torch.ops.aten.threshold_backward(grad, decode_mask(packed), 0),
+                       torch.ops.aten.threshold_backward(grad, x, 0))
+
+
 class ReluNet(nn.Module):
     def __init__(self):
         super().__init__()

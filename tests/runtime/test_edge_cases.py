@@ -45,6 +45,51 @@ def test_nan_and_inf_pass_through_without_corrupting_neighbours():
     assert torch.allclose(grad[clean], x[:, clean].sum(0), atol=0.5)
 
 
+def _relu_net_with_a_nan_unit() -> nn.Sequential:
+    """Two ReLUs: the first output is clean, the second is NaN in hidden unit 5 (bias NaN) for every
+    row. The loss ``out.sum()`` has a finite gradient, so only ``out`` and ``net[4].weight.grad[:, 5]``
+    are NaN: plain autograd passes the gradient through ReLU where its output is NaN."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    with torch.no_grad():
+        net[2].bias[5] = float("nan")
+    return net
+
+
+def _input_and_parameter_grads(net: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    x = x.clone().requires_grad_()
+    net(x).sum().backward()
+    return [x.grad] + [p.grad for p in net.parameters()]
+
+
+@pytest.mark.parametrize("policy", ["uniform", "adaptive"])
+def test_nan_in_a_relu_output_passes_the_gradient_like_plain_autograd(policy):
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    reference = _input_and_parameter_grads(_relu_net_with_a_nan_unit(), x)
+    assert float(reference[4][5]) != 0.0  # the NaN unit's bias gets a gradient in plain autograd
+    model = daf.wrap(_relu_net_with_a_nan_unit(), bits=8, min_numel=1, policy=policy)
+    session = daf.session_of(model)
+    routes = []
+    nonzeros_of_relu_output = session._nonzeros_of_relu_output
+
+    def spy(key, tensor):
+        mask, data = nonzeros_of_relu_output(key, tensor)
+        routes.append((tuple(tensor.shape), mask is not None))
+        return mask, data
+
+    session._nonzeros_of_relu_output = spy
+    got = _input_and_parameter_grads(model, x)
+    # adaptive: the clean ReLU output's nonzeros get codes (the mask gives its zeros); the one with a
+    # NaN is stored whole. Uniform never takes the nonzeros path.
+    assert routes == [((64, 64), policy == "adaptive"), ((64, 32), False)]
+    assert [r.kind for r in daf.report(model).rows] == ["mask", "compressed", "mask", "compressed"]
+    for name, g, ref in zip(["x"] + [n for n, _ in model.named_parameters()], got, reference):
+        assert torch.equal(g.isnan(), ref.isnan()), name
+        finite = ~ref.isnan()
+        assert float((g[finite] - ref[finite]).norm() / ref[finite].norm()) < 0.02, name
+    assert math.isclose(float(got[4][5]), float(reference[4][5]), rel_tol=0.02)
+
+
 @pytest.mark.parametrize("shape", [(0, 8), (5, 0, 3)])
 def test_empty_tensors(shape):
     model = daf.wrap(nn.Sequential(nn.Linear(shape[-1], 4), nn.Tanh()), min_numel=0)

@@ -6,9 +6,11 @@ Two cases, both safe whatever the consumer is:
   ``{0, 1/(1-p)}``, boolean masks) is stored as one bit per element plus the two
   values: decoding gives back the same bits (lossless, the sign of zero included).
 * ReLU's own saved output: ``relu`` saves its result only for ``threshold_backward``,
-  which reads nothing but ``result > 0``. That save alone is stored as the bit
-  ``x > 0`` and decodes to 0/1. Other ops that save the same tensor (the next
-  convolution) get their own record: the session never shares a ReLU mask.
+  which reads nothing but whether ``result <= 0`` (it zeroes the gradient there and
+  passes it elsewhere, where the output is NaN included). That save alone is stored as
+  the bit ``not (x <= 0)`` (``x > 0`` or NaN) and decodes to 0/1. Other ops that save
+  the same tensor (the next convolution) get their own record: the session never
+  shares a ReLU mask.
 
 >>> x = torch.tensor([0.0, 1.25, 1.25, 0.0, 1.25])
 >>> p = encode_mask(x, two_values(x))
@@ -132,18 +134,25 @@ def encode_mask(x: torch.Tensor, values: tuple[float, float]) -> MaskPacked:
 
 
 def encode_relu_mask(result: torch.Tensor) -> MaskPacked:
-    """ReLU's saved output as the bit ``result > 0``; decodes to 0/1 in ``result.dtype``. O(numel).
+    """ReLU's saved output as the bit ``not (result <= 0)``; decodes to 0/1 in ``result.dtype``. O(numel).
 
-    Only ``threshold_backward`` may read it: it looks at nothing but ``result > 0``.
+    Only ``threshold_backward`` may read it: it zeroes the gradient where ``result <= 0`` and passes
+    it elsewhere, so a NaN output (for which ``result > 0`` is false too) gets bit 1, as ``+inf`` does.
+
+    >>> decode_mask(encode_relu_mask(torch.tensor([0.0, 2.0, float("nan"), -0.0]))).tolist()
+    [0.0, 1.0, 1.0, 0.0]
     """
     if not result.dtype.is_floating_point:
         raise ValueError(f"encode_relu_mask takes ReLU's floating-point output, got {result.dtype}")
     flat, order = flatten_memory_order(result.detach())
-    return MaskPacked(_pack_bits(flat, lambda part: part > 0), tuple(result.shape), order, result.dtype, 1, 0, low=0.0, high=1.0)
+    payload = _pack_bits(flat, lambda part: (part <= 0).logical_not_())  # threshold_backward's own test
+    return MaskPacked(payload, tuple(result.shape), order, result.dtype, 1, 0, low=0.0, high=1.0)
 
 
 def mask_bits(packed: MaskPacked) -> torch.Tensor:
-    """The mask's bits in memory order: bool [numel] (for a ReLU mask, where the output is > 0). O(numel)."""
+    """The mask's bits in memory order: bool [numel]. O(numel).
+
+    For a ReLU mask, where the output is > 0 or NaN (where its gradient passes)."""
     bits = torch.empty(packed.numel, dtype=torch.bool, device=packed.payload.device)
     for start, end in _chunks(packed.numel):
         bits[start:end] = _unpack_bits(packed.payload, start, end)
