@@ -168,3 +168,12 @@ def test_train_runs_the_whole_process_on_the_allocator_unless_system(tmp_path, a
         assert used["mode"] == "system"
     else:  # `daf train` started itself again with the library preloaded, as `daf run` does
         assert used["mode"] == "preloaded" and used["path"] == resolve("auto").path
+
+
+def test_main_called_from_python_never_replaces_the_calling_process(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("daf.cli.main must not exec: it would replace the caller (a test runner)")
+    monkeypatch.setattr(os, "execve", refuse)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("DAF_TRAIN_PRELOADED", raising=False)
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, "--no-plots"]) == 0

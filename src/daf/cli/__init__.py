@@ -23,7 +23,7 @@ from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "entry", "build_parser"]
 
 _DAF_FLAGS = ("bits", "policy", "budget", "group_size", "backend")
 EXIT_INTERRUPTED = 130
@@ -203,8 +203,10 @@ def _run_on_the_whole_process_allocator(argv: list[str], allocator: str) -> None
     os.execve(sys.executable, [sys.executable, "-m", "daf.cli", *argv], {**os.environ, **extra, _WHOLE_PROCESS: "1"})
 
 
-def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], overrides: dict[str, Any] | None) -> int:
-    _run_on_the_whole_process_allocator(argv, args.allocator)
+def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], overrides: dict[str, Any] | None,
+           whole_process: bool = False) -> int:
+    if whole_process:
+        _run_on_the_whole_process_allocator(argv, args.allocator)
     from daf.workloads.train import RunSettings, run_training
     settings = RunSettings(args.workload, options, args.steps, args.batch, overrides, args.trace_step,
                            progress=not args.no_progress, allocator=args.allocator)
@@ -239,8 +241,15 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     return _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``daf`` command; returns the exit status."""
+def entry() -> int:
+    """The ``daf`` program (console script and ``python -m daf.cli``): ``main`` on this process's
+    arguments, where ``daf train`` may start the process again on the preloaded allocator."""
+    return main(whole_process=True)
+
+
+def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
+    """Run ``daf`` with ``argv``; returns the exit status. Never replaces the calling process unless
+    ``whole_process`` (what ``entry`` does): called from Python, ``daf train`` trains in-process."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     options, overrides = _resolve(parser, args)
     try:
         if args.command == "train":
-            return _train(args, argv, options, overrides)
+            return _train(args, argv, options, overrides, whole_process)
         return _compare(args, argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 import sys
 
-from daf.cli import main
+from daf.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())
