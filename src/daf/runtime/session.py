@@ -124,7 +124,7 @@ class Session:
             return tensor
         call = self._trackers[-1].current if self._trackers else None
         if self.config.masks and call is not None and call.is_relu and self._is_relu_result(tensor):
-            # ReLU's own save: its backward reads only ``result > 0``. Never shared: the next op
+            # ReLU's own save: its backward reads only whether ``result <= 0`` (NaN passes). Never shared: the next op
             # that saves this tensor needs its values and gets a record of its own.
             saved = self._put_mask(site, tensor, encode_relu_mask(tensor), shareable=False)
             self._relu_masks[self._key(tensor)] = (weakref.ref(tensor), tensor._version, saved)
