@@ -10,21 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import descendants
+
 TIMEOUT = 400
-
-
-def _descendants(pid):
-    """Every process below ``pid`` (the probes run in sessions of their own, so a process group misses them)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            child = int(entry.name)
-            children += [child, *_descendants(child)]
-    return children
 
 
 def _stop(process):
@@ -35,7 +23,7 @@ def _stop(process):
         process.wait(timeout=10)
     with contextlib.suppress(ProcessLookupError):
         os.kill(process.pid, signal.SIGSTOP)  # no new probe while the tree is listed
-    for pid in [*_descendants(process.pid), process.pid]:
+    for pid in [*descendants(process.pid), process.pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     process.wait()

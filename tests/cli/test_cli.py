@@ -14,6 +14,8 @@ import pytest
 from daf.cli import main
 from daf.cli.record import RUN_KEYS, SCHEMA
 
+from tests.processes import descendants
+
 TINY = ["-O", "train_size=256", "-O", "eval_size=100", "--batch", "32", "--no-progress"]
 
 
@@ -98,20 +100,6 @@ def test_compare_runs_both_arms_with_the_same_seed_and_data(tmp_path):
     assert "fp32 (system malloc)" in done.stdout
 
 
-def _descendants(pid):
-    """Every process below ``pid`` (the compare arms run in sessions of their own)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            child = int(entry.name)
-            children += [child, *_descendants(child)]
-    return children
-
-
 def _interrupt_after_start(command, timeout=120):
     # SIGINT back to its default in the child: a test runner started as a shell's background job
     # inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored.
@@ -128,7 +116,7 @@ def _interrupt_after_start(command, timeout=120):
         return process.returncode, out, err
     finally:
         if process.poll() is None:  # never leave training processes behind
-            for pid in [*_descendants(process.pid), process.pid]:
+            for pid in [*descendants(process.pid), process.pid]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             process.wait()
