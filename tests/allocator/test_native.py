@@ -281,9 +281,11 @@ def test_install_system_installs_nothing():
 
 
 @needs_tcmalloc
-@pytest.mark.skipif(find_library("jemalloc") is None, reason="needs jemalloc beside tcmalloc")
 def test_second_install_reports_the_allocator_actually_in_use():
     result = _child("""
+        from daf.allocator import libraries
+        real = libraries.find_library  # a second library "found" (never loaded: the first one stays)
+        libraries.find_library = lambda name: "/elsewhere/libjemalloc.so.2" if name == "jemalloc" else real(name)
         from daf.allocator.native import install, status
         import torch
         install("tcmalloc")

@@ -239,7 +239,7 @@ def run(args: argparse.Namespace, command: str | None = None) -> int:
     def save(partial: dict[str, Any] | None = None) -> None:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            shown = benches + ([partial] if partial is not None and partial not in benches else [])
+            shown = benches + ([partial] if partial is not None and all(b is not partial for b in benches) else [])
             Path(args.json).write_text(json.dumps({**record, "workloads": shown}, indent=1))
 
     for workload in workloads:
