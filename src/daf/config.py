@@ -32,7 +32,7 @@ from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
 
-__all__ = ["Config", "parse_size", "ALLOWED_BITS"]
+__all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "parse_size", "ALLOWED_BITS"]
 
 ALLOWED_BITS = (1, 2, 4, 8)
 CONFIG_VERSION = 1
@@ -230,6 +230,36 @@ class Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Config":
         return cls().replace(**data)
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Bit policy: every compressed site gets ``Config.bits``."""
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """Bit policy: bits per site from measured importance, at a size-weighted ``average`` (docs/policy.md).
+
+    Knobs are those of ``daf.policy.AdaptivePolicy``.
+    """
+
+    average: float = 2.0
+    replan_every: int = 50
+    window: int = 4
+    smoothing: float = 0.7
+    min_gain: float = 0.25
+    allow_raw: bool = True
+
+
+@dataclass(frozen=True)
+class MinMax:
+    """Codec: per-group min/scale codes (format 1)."""
+
+
+@dataclass(frozen=True)
+class Division:
+    """Codec: DIVISION dual precision for convolutional feature maps, MinMax for everything else."""
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
