@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import daf
-from daf.codec import make_codec
+from daf.codec import Spec, codes_codec
 from daf.codec.backends import REFERENCE
 from daf.codec.division import DivisionCodec, DivisionPacked, join, split
 from daf.format import payload_bytes
@@ -27,34 +27,34 @@ def test_low_is_the_block_mean():
 
 
 def _codec(**kw):
-    return make_codec(daf.Config(codec="division", backend="reference", **kw))
+    return codes_codec(daf.Config(codec="division", backend="reference", **kw))
 
 
 def test_round_trip_error_and_bytes():
     torch.manual_seed(0)
     x = torch.randn(4, 8, 16, 16) + torch.linspace(0, 8, 16)  # smooth trend plus noise
     codec = _codec()
-    p = codec.encode(x, 2, seed=1)
+    p = codec.encode(x, Spec(2, 1))
     assert isinstance(p, DivisionPacked) and p.bits == 2
     assert p.nbytes == payload_bytes(x.numel(), 2, 256) + p.low.nbytes
     y = codec.decode(p)
-    minmax = make_codec(daf.Config(backend="reference"))
-    plain = minmax.decode(minmax.encode(x, 2, seed=1))
+    minmax = codes_codec(daf.Config(backend="reference"))
+    plain = minmax.decode(minmax.encode(x, Spec(2, 1)))
     assert y.shape == x.shape and (y - x).square().mean() < (plain - x).square().mean()
 
 
 def test_other_shapes_fall_back_to_minmax():
     codec = _codec()
     for x in (torch.randn(64, 300), torch.randn(4, 3, 1, 1)):
-        p = codec.encode(x, 4, seed=0)
+        p = codec.encode(x, Spec(4, 0))
         assert not isinstance(p, DivisionPacked) and codec.decode(p).shape == x.shape
 
 
 def test_native_and_reference_agree():
     x = torch.randn(2, 3, 20, 12)
-    native = make_codec(daf.Config(codec="division", backend="auto"))
+    native = codes_codec(daf.Config(codec="division", backend="auto"))
     reference = _codec()
-    a, b = native.encode(x, 2, seed=3), reference.encode(x, 2, seed=3)
+    a, b = native.encode(x, Spec(2, 3)), reference.encode(x, Spec(2, 3))
     assert torch.equal(a.payload, b.payload) and torch.equal(a.low, b.low)
     assert torch.equal(native.decode(a), reference.decode(b))
 
@@ -62,7 +62,7 @@ def test_native_and_reference_agree():
 def test_reencode_keeps_low_and_lowers_bits():
     codec = _codec()
     x = torch.randn(2, 3, 16, 16)
-    p = codec.encode(x, 8, seed=0)
+    p = codec.encode(x, Spec(8, 0))
     q = codec.reencode(p, 4, seed=1)
     assert isinstance(q, DivisionPacked) and q.bits == 4 and torch.equal(q.low, p.low)
     assert (codec.decode(q) - x).abs().max() < 0.5
@@ -71,11 +71,11 @@ def test_reencode_keeps_low_and_lowers_bits():
 def test_through_the_paged_store_with_demotion_and_spill(tmp_path):
     config = daf.Config(codec="division", backend="reference", bits=8, budget="120KiB", min_bits=2,
                         spill_dir=str(tmp_path))
-    codec = DivisionCodec(config, REFERENCE)
+    codec = codes_codec(config, REFERENCE)
     store = PagedStore(config, codec)
     torch.manual_seed(0)
     tensors = [torch.randn(2, 4, 64, 64) for _ in range(6)]
-    refs = [store.put(codec.encode(t, 8, seed=i), float(i), f"site{i}") for i, t in enumerate(tensors)]
+    refs = [store.put(codec.encode(t, Spec(8, i)), float(i), f"site{i}") for i, t in enumerate(tensors)]
     store._check()
     stats = store.stats()
     assert stats["demotions"] > 0
@@ -102,8 +102,8 @@ def test_training_with_division_matches_fp32_roughly():
 def test_attention_probabilities_stay_minmax():
     codec = _codec()
     p = torch.softmax(torch.randn(2, 4, 16, 16), -1)
-    assert not isinstance(codec.encode(p, 2, 0, consumer="softmax"), DivisionPacked)
-    assert isinstance(codec.encode(p, 2, 0, consumer="conv2d"), DivisionPacked)
+    assert not isinstance(codec.encode(p, Spec(2, 0, "softmax")), DivisionPacked)
+    assert isinstance(codec.encode(p, Spec(2, 0, "conv2d")), DivisionPacked)
     x = torch.randn(2, 4, 16, 16, requires_grad=True)
     with daf.compress(codec="division", min_numel=1, backend="reference") as session:
         y = torch.softmax(x, -1) @ x  # softmax saves its 4-D output

@@ -51,6 +51,6 @@ def test_training_with_native_and_reference_backends_gives_identical_gradients(e
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10))
         daf.wrap(model, bits=2, min_numel=1, backend=backend)
         model(torch.randn(300, 64)).square().sum().backward()
-        assert daf.session_of(model).codec.name == f"minmax/{backend}"
+        assert daf.report(model).sections["codec"]["codec"] == f"minmax/{backend}"
         grads[backend] = [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads["native"], grads["reference"]))

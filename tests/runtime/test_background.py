@@ -49,19 +49,19 @@ def test_packed_tensor_is_released_once_packed():
 
 
 def test_in_place_change_during_background_packing_is_an_error():
-    from daf.codec import make_codec
+    from daf.codec import Codecs, Spec
 
-    packer = BackgroundPacker(make_codec(daf.Config()))
+    packer = BackgroundPacker(Codecs(daf.Config()))
     x = torch.randn(1000)
 
     class Meddling:
         """A codec stand-in that lets the test modify the tensor mid-encode."""
 
-        def encode(self, tensor, bits, seed):
+        def encode(self, name, tensor, spec):
             tensor.add_(1)
             return None
 
-    packer.codec = Meddling()
+    packer.codecs = Meddling()
     with pytest.raises(RuntimeError, match="modified in place"):
-        packer.submit(x, 2, 0).result()
+        packer.submit("codes", x, Spec(2, 0)).result()
     packer.close()

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import daf
-from daf.runtime import session as session_module
-from daf.runtime.ops import SOFTMAX_RECOMPUTE_BITS
+from daf.policy import exponent_guard as session_module
+from daf.policy.exponent_guard import SOFTMAX_RECOMPUTE_BITS
 
 
 class Attention(torch.nn.Module):

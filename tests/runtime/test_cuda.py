@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import daf
-from daf.codec.api import decode, encode
+from daf.codec.minmax import decode, encode
 from tests.models import SmallCNN, TransformerBlock, cosine, gradients
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

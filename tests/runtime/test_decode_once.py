@@ -5,7 +5,7 @@ import gc
 import torch
 
 import daf
-from daf.codec import Codec
+from daf.codec import Codecs
 from daf.codec.backends import REFERENCE
 from daf.runtime import Session
 
@@ -28,10 +28,10 @@ class CountingBackend:
 def run(reuse: bool):
     config = daf.Config(min_numel=1, bits=8, masks=False)  # relu and matmul share one record
     backend = CountingBackend()
-    session = Session(config, codec=Codec(config, backend))
+    session = Session(config, codecs=Codecs(config, backend))
     if not reuse:  # the plain path: decode on every unpack
         session.unpack = lambda saved: saved if isinstance(saved, torch.Tensor) else \
-            session.codec.decode(session.store.get(saved.ref))
+            session.codecs.decode(session.store.get(saved.ref))
     torch.manual_seed(0)
     w1 = torch.randn(32, 64, requires_grad=True)
     w2 = torch.randn(64, 16, requires_grad=True)

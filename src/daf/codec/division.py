@@ -18,9 +18,9 @@ record's header, counted in its side bytes. Demotion (``reencode``) re-quantizes
 residual at fewer bits and keeps ``low``.
 
 >>> import daf
->>> codec = DivisionCodec(daf.Config(codec="division", backend="reference"))
+>>> codec = DivisionCodec(MinMaxCodec(daf.Config(backend="reference")))
 >>> x = torch.randn(2, 3, 16, 16)
->>> p = codec.encode(x, 2, seed=0)
+>>> p = codec.encode(x, Spec(2, seed=0))
 >>> isinstance(p, DivisionPacked), tuple(p.low.shape), codec.decode(p).shape
 (True, (2, 3, 2, 2), torch.Size([2, 3, 16, 16]))
 """
@@ -33,9 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from daf.codec.api import Codec
-from daf.codec.backends import Backend
-from daf.config import Config
+from daf.codec.minmax import MinMaxCodec
+from daf.codec.spec import Spec
 from daf.format import Packed
 
 __all__ = ["DivisionCodec", "DivisionPacked", "BLOCK", "SPATIAL_CONSUMERS", "split", "join"]
@@ -57,6 +56,15 @@ class DivisionPacked(Packed):
     @property
     def nbytes(self) -> int:
         return super().nbytes + (self.low.nbytes if self.low is not None else 0)
+
+    @classmethod
+    def of(cls, residual: Packed, low: torch.Tensor) -> "DivisionPacked":
+        """The record of ``residual`` (a format-1 ``Packed``) with ``low`` beside it."""
+        return cls(**{f.name: getattr(residual, f.name) for f in dataclasses.fields(Packed)}, low=low)
+
+    def residual(self) -> Packed:
+        """The format-1 record of the residual alone."""
+        return Packed(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Packed)})
 
 
 def _applies(x: torch.Tensor) -> bool:
@@ -87,35 +95,33 @@ def join(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     return high + _upsample(low, high.shape, high.dtype)
 
 
-class DivisionCodec(Codec):
-    """DIVISION for 4-D activations, the minmax codec (same backend) for everything else."""
+class DivisionCodec:
+    """DIVISION for convolutional feature maps, ``minmax`` (whose backend it shares) for everything else."""
 
-    def __init__(self, config: Config, backend: Backend | None = None) -> None:
-        super().__init__(config, backend)
+    packed_type = DivisionPacked
+
+    def __init__(self, minmax: MinMaxCodec) -> None:
+        self.minmax = minmax
 
     @property
     def name(self) -> str:
-        return f"division/{self.backend.name}"
+        return f"division/{self.minmax.backend.name}"
 
-    def encode(self, x: torch.Tensor, bits: int, seed: int, consumer: str | None = None) -> Packed:
-        """DIVISION for a 4-D ``x``, unless ``consumer`` (the op saving it, when known) is not one of
+    def encode(self, x: torch.Tensor, spec: Spec) -> Packed:
+        """DIVISION for a 4-D ``x``, unless ``spec.consumer`` (the op saving it, when known) is not one of
         ``SPATIAL_CONSUMERS``; minmax otherwise."""
-        if not _applies(x) or (consumer is not None and consumer not in SPATIAL_CONSUMERS):
-            return super().encode(x, bits, seed)
+        if not _applies(x) or (spec.consumer is not None and spec.consumer not in SPATIAL_CONSUMERS):
+            return self.minmax.encode(x, spec)
         low, high = split(x)
-        packed = super().encode(high, bits, seed)
-        return DivisionPacked(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(Packed)}, low=low)
+        return DivisionPacked.of(self.minmax.encode(high, spec), low)
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        high = super().decode(packed)
         if isinstance(packed, DivisionPacked):
-            return join(packed.low, high)
-        return high
+            return join(packed.low, self.minmax.decode(packed.residual()))
+        return self.minmax.decode(packed)
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
         """The residual at fewer ``bits``; ``low`` is kept as it is."""
         if not isinstance(packed, DivisionPacked):
-            return super().reencode(packed, bits, seed)
-        plain = Packed(**{f.name: getattr(packed, f.name) for f in dataclasses.fields(Packed)})
-        high = Codec.encode(self, Codec.decode(self, plain), bits, seed)
-        return DivisionPacked(**{f.name: getattr(high, f.name) for f in dataclasses.fields(Packed)}, low=packed.low)
+            return self.minmax.reencode(packed, bits, seed)
+        return DivisionPacked.of(self.minmax.reencode(packed.residual(), bits, seed), packed.low)

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from daf.codec.spec import Spec
 from daf.format import Packed, flatten_memory_order, restore_memory_order
 
-__all__ = ["MaskPacked", "two_values", "encode_mask", "encode_relu_mask", "decode_mask", "mask_bits", "mask_bytes",
-           "MASK_DTYPES"]
+__all__ = ["MaskPacked", "MaskCodec", "ReluMaskCodec", "two_values", "encode_mask", "encode_relu_mask",
+           "decode_mask", "mask_bits", "mask_bytes", "MASK_DTYPES"]
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
              torch.bfloat16: torch.int16, torch.bool: torch.uint8}
@@ -168,3 +169,25 @@ def decode_mask(packed: MaskPacked) -> torch.Tensor:
     for start, end in _chunks(packed.numel):
         torch.where(_unpack_bits(packed.payload, start, end), high, low, out=flat[start:end])
     return restore_memory_order(flat, packed.shape, packed.order)
+
+
+class MaskCodec:
+    """A two-valued tensor, exactly: ``spec.values`` is ``two_values(x)``."""
+
+    name = "mask"
+    packed_type = MaskPacked
+
+    def encode(self, x: torch.Tensor, spec: Spec) -> MaskPacked:
+        return encode_mask(x, spec.values)
+
+    def decode(self, packed: MaskPacked) -> torch.Tensor:
+        return decode_mask(packed)
+
+
+class ReluMaskCodec(MaskCodec):
+    """ReLU's own saved output as the bit ``not (result <= 0)``: for ``threshold_backward`` only."""
+
+    name = "relu_mask"
+
+    def encode(self, x: torch.Tensor, spec: Spec) -> MaskPacked:
+        return encode_relu_mask(x)

@@ -34,7 +34,7 @@ from daf.config import ALLOWED_BITS
 from daf.policy.allocator import RAW_BITS, Plan, Site, allocate
 from daf.policy.importance import ImportanceEstimator
 from daf.policy.uniform import Policy
-from daf.runtime.ops import OpCall
+from daf.tracing import OpCall
 
 __all__ = ["AdaptivePolicy"]
 

@@ -8,7 +8,7 @@ data at hand, so sparse tensors (softmax probabilities), whose error shrinks
 like ``1/(2**b - 1)`` rather than ``1/(2**b - 1)**2``, are costed right.
 
 What that error does to the parameter gradients depends on the op that reads the
-tensor in backward (its *consumer*, seen through ``daf.runtime.ops``):
+tensor in backward (its *consumer*, seen through ``daf.tracing``):
 
 * **matmul-like** (linear, conv, matmul, bmm): ``y = x W`` gives ``grad_W = dy^T x``,
   so an error in ``x`` adds ``sum_j Var(e_j) * ||dy_row(j)||**2``, about
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from daf.runtime.ops import OpCall
+from daf.tracing import OpCall
 
 __all__ = ["rounding_variance", "ImportanceEstimator", "SiteStats", "MATMUL_FUNCTIONS", "COMPOUNDING"]
 

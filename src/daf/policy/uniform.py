@@ -35,7 +35,7 @@ class Policy:
 
     def watch_op(self, call: Any) -> None:
         """Called after each torch function that saved stored tensors
-        (a ``daf.runtime.ops.OpCall``: the function, its arguments, output, and the saves)."""
+        (a ``daf.tracing.OpCall``: the function, its arguments, output, and the saves)."""
 
     def close(self) -> None:
         """Release what the policy holds outside itself (hooks); called when the session closes."""

@@ -1,6 +1,6 @@
-"""Runtime: the per-model session and the saved-tensor hooks that feed it."""
+"""Runtime: the per-model session, its saved-tensor hooks, and the router they ask."""
 
+from daf.runtime.route import Context, Encoding, Kind, route
 from daf.runtime.session import Session
-from daf.runtime.sites import SiteTracker
 
-__all__ = ["Session", "SiteTracker"]
+__all__ = ["Session", "route", "Context", "Encoding", "Kind"]

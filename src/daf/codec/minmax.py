@@ -1,14 +1,15 @@
-"""Codec front end: any tensor in, ``Packed`` out, and back. Shapes and memory formats live here."""
+"""The format-1 codec: any floating-point tensor in, ``Packed`` out, and back. Shapes and memory formats live here."""
 
 from __future__ import annotations
 
 import torch
 
 from daf.codec.backends import REFERENCE, Backend, select_backend
+from daf.codec.spec import Spec
 from daf.config import Config
 from daf.format import FLOAT_DTYPES, Packed, flatten_memory_order, restore_memory_order
 
-__all__ = ["encode", "decode", "Codec", "make_codec"]
+__all__ = ["encode", "decode", "MinMaxCodec"]
 
 
 def encode(x: torch.Tensor, bits: int, group_size: int = 256, rounding: str = "stochastic", seed: int = 0,
@@ -39,8 +40,10 @@ def decode(packed: Packed, backend: Backend = REFERENCE) -> torch.Tensor:
     return restore_memory_order(flat, packed.shape, packed.order)
 
 
-class Codec:
-    """The codec a session uses: format, group size, rounding and backend fixed by its Config."""
+class MinMaxCodec:
+    """Format-1 codes: per-group min/step, group size, rounding and backend fixed by the Config."""
+
+    packed_type = Packed
 
     def __init__(self, config: Config, backend: Backend | None = None) -> None:
         self.group_size = config.group_size
@@ -51,24 +54,12 @@ class Codec:
     def name(self) -> str:
         return f"minmax/{self.backend.name}"
 
-    def encode(self, x: torch.Tensor, bits: int, seed: int, consumer: str | None = None) -> Packed:
-        """``consumer``: the name of the op saving ``x``, when known; codecs that treat a tensor by its
-        use read it (DIVISION), this one does not."""
-        return encode(x, bits, self.group_size, self.rounding, seed, self.backend)
+    def encode(self, x: torch.Tensor, spec: Spec) -> Packed:
+        return encode(x, spec.bits, self.group_size, self.rounding, spec.seed, self.backend)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         return decode(packed, self.backend)
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
         """``packed`` at fewer ``bits`` (demotion under a memory budget)."""
-        return self.encode(self.decode(packed), bits, seed)
-
-
-def make_codec(config: Config, backend: Backend | None = None) -> Codec:
-    """The codec ``config.codec`` names: "minmax" or "division" (``daf.codec.division``)."""
-    if config.codec == "minmax":
-        return Codec(config, backend)
-    if config.codec == "division":
-        from daf.codec.division import DivisionCodec
-        return DivisionCodec(config, backend)
-    raise ValueError(f"Config.codec must be 'minmax' or 'division', got {config.codec!r}")
+        return self.encode(self.decode(packed), Spec(bits, seed))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS", "SOFTMAX_RECOMPUTE_BITS", "backward_exponentiates"]
+__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS", "ATTENTION_FUNCTIONS"]
 
 
 def _relu_functions() -> frozenset:
@@ -31,15 +31,7 @@ def _relu_functions() -> frozenset:
 
 RELU_FUNCTIONS = _relu_functions()
 
-# Fused attention (flash / memory-efficient kernels) saves query, key, value, its output and the
-# exact logsumexp of the logits; backward recomputes softmax as exp(q k^T * scale - logsumexp) and
-# subtracts rowsum(dO * out) from dO v^T. Coarse codes of q and k shift the logits against the exact
-# logsumexp, and exp() turns the shift into a multiplicative error (SmolLM2 at 2 bits diverged to NaN
-# in two steps); coarse v and out break the cancellation of that subtraction where attention is
-# sharp. All four keep 8 bits at least: on a causal head with logits ~30, 2 bits elsewhere and 8 here
-# gives gradients at cosine 0.985 to fp32, against NaN with 2 bits here (tests/runtime/test_backward_exp.py).
-# The math path (used with dropout) saves its own intermediates and is left to the policy.
-SOFTMAX_RECOMPUTE_BITS = 8
+# q, k, v of fused attention, by keyword and position (``is_fused_attention_save``).
 _ATTENTION_INPUTS = (("query", 0), ("key", 1), ("value", 2))
 
 
@@ -75,7 +67,7 @@ class OpCall:
         return self.func in RELU_FUNCTIONS
 
     def is_fused_attention_save(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is q, k, v or the output saved by a fused-attention kernel (SOFTMAX_RECOMPUTE_BITS)."""
+        """Whether ``tensor`` is q, k, v or the output saved by a fused-attention kernel."""
         if self.func not in ATTENTION_FUNCTIONS:
             return False
         if tensor.grad_fn is not None and "Attention" in type(tensor.grad_fn).__name__:
@@ -85,16 +77,6 @@ class OpCall:
             if given is tensor:
                 return True
         return False
-
-
-def backward_exponentiates(call: OpCall | None, tensor: torch.Tensor) -> bool:
-    """Whether backward feeds ``tensor`` (or what it recomputes from it) to exp(), where a coarse code's
-    additive error becomes a multiplicative one: fused attention's saves, and log_softmax's output
-    (``cross_entropy`` saves it; its backward is ``grad - exp(output) * sum(grad)``: at 2 bits SmolLM2's
-    gradient was off by 1300x its norm). These keep SOFTMAX_RECOMPUTE_BITS at least."""
-    if tensor.grad_fn is not None and type(tensor.grad_fn).__name__ == "LogSoftmaxBackward0":
-        return True
-    return call is not None and call.is_fused_attention_save(tensor)
 
 
 class OpTracker(TorchFunctionMode):

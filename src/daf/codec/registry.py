@@ -1,0 +1,96 @@
+"""Every stored form of one session behind one object: encoders by name, decoders by packed type.
+
+Names are what the router's ``Encoding.codec`` says: ``"codes"`` (the configured codes codec,
+MinMax or DIVISION), ``"mask"`` (two-valued tensors, exact), ``"relu_mask"`` (ReLU's own save).
+Which codes codec a ``Config.codec`` means is a function registered for its type
+(``register_codes_codec``), as torchao registers a handler per config type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from daf.codec.backends import Backend, select_backend
+from daf.codec.division import DivisionCodec, DivisionPacked
+from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec
+from daf.codec.minmax import MinMaxCodec
+from daf.codec.spec import Codec, Spec
+from daf.config import Config, Division, MinMax
+from daf.format import Packed
+
+__all__ = ["Codecs", "register_codes_codec", "codes_codec"]
+
+_CODES_CODECS: dict[type, Callable[[Any, MinMaxCodec], Any]] = {}
+
+
+def register_codes_codec(config_type: type) -> Callable:
+    """Decorator: ``factory(codec_config, minmax) -> codec`` builds the codes codec for ``config_type``."""
+    def register(factory: Callable[[Any, MinMaxCodec], Any]) -> Callable[[Any, MinMaxCodec], Any]:
+        _CODES_CODECS[config_type] = factory
+        return factory
+    return register
+
+
+@register_codes_codec(MinMax)
+def _minmax(config: MinMax, minmax: MinMaxCodec) -> MinMaxCodec:
+    return minmax
+
+
+@register_codes_codec(Division)
+def _division(config: Division, minmax: MinMaxCodec) -> DivisionCodec:
+    return DivisionCodec(minmax)
+
+
+def codes_codec(config: Config, backend: Backend | None = None) -> Any:
+    """The codes codec ``config.codec`` asks for, on ``backend`` (``select_backend(config.backend)``)."""
+    minmax = MinMaxCodec(config, backend if backend is not None else select_backend(config.backend))
+    choice = config.codec
+    if isinstance(choice, str):  # merge shim: Config.codec is typed on the config branch
+        choice = {"minmax": MinMax(), "division": Division()}[choice]
+    factory = _CODES_CODECS.get(type(choice))
+    if factory is None:
+        known = ", ".join(t.__name__ for t in _CODES_CODECS)
+        raise ValueError(f"Config.codec {config.codec!r} has no codec registered; registered: {known}")
+    return factory(choice, minmax)
+
+
+class Codecs:
+    """The codecs of one session. ``encode(name, x, spec)``; ``decode(packed)`` by the packed type;
+    ``reencode`` (demotion) for the codes codec's records."""
+
+    def __init__(self, config: Config, backend: Backend | None = None) -> None:
+        self._config = config
+        self.backend = backend if backend is not None else select_backend(config.backend)
+        self.codes = codes_codec(config, self.backend)
+        self._by_name: dict[str, Codec] = {"codes": self.codes, "mask": MaskCodec(), "relu_mask": ReluMaskCodec()}
+        # most derived first: a DivisionPacked and a MaskPacked are also Packed
+        self._decoders: list[tuple[type, Codec]] = [(MaskPacked, self._by_name["mask"]),
+                                                    (DivisionPacked, self.codes), (Packed, self.codes)]
+
+    @property
+    def name(self) -> str:
+        return self.codes.name
+
+    def serial_twin(self) -> "Codecs":
+        """The same codecs encoding on the calling thread only (for a background packer, so that it
+        does not start a second team of threads beside torch's), where the backend has threads."""
+        twin = getattr(self.backend, "serial_twin", None)
+        return Codecs(self._config, twin()) if twin is not None else self
+
+    def __getitem__(self, name: str) -> Codec:
+        return self._by_name[name]
+
+    def encode(self, name: str, x: torch.Tensor, spec: Spec) -> Packed:
+        return self._by_name[name].encode(x, spec)
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        for packed_type, codec in self._decoders:
+            if isinstance(packed, packed_type):
+                return codec.decode(packed)
+        raise TypeError(f"DAF has no codec for a record of type {type(packed).__name__}")
+
+    def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
+        return self.codes.reencode(packed, bits, seed)

@@ -1,0 +1,65 @@
+"""The report rows of a forward: what each saved tensor would have cost and what it costs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from daf.report import Report, SiteRow
+from daf.runtime.route import Encoding, Kind
+from daf.runtime.tables import TensorTable
+
+__all__ = ["Accounting"]
+
+_ROW_KIND = {Kind.RAW: "raw", Kind.SHARED: "shared", Kind.MASK: "mask", Kind.RELU_MASK: "mask",
+             Kind.NONZEROS: "compressed", Kind.CODES: "compressed"}
+
+
+class Accounting:
+    """Rows of the forward in progress and of the last finished one.
+
+    ReLU's output is stored twice (a mask for ReLU, codes for the next op) but autograd without
+    DAF would hold it once: the last row that saves a tensor counts its raw bytes.
+    """
+
+    def __init__(self) -> None:
+        self._rows: list[SiteRow] = []
+        self._last: list[SiteRow] = []
+        self._counted = TensorTable(check_version=False)
+        self.parameters_referenced = 0
+
+    def begin(self) -> None:
+        self._rows = []
+        self._counted.clear()
+        self.parameters_referenced = 0
+
+    def end(self) -> None:
+        self._last = self._rows
+
+    def add(self, site: str, tensor: torch.Tensor, encoding: Encoding, stored: int) -> int:
+        """Count one save; returns its row number (for ``fill``), -1 for a parameter (no row)."""
+        if encoding.kind is Kind.PARAMETER:
+            self.parameters_referenced += 1
+            return -1
+        raw = 0 if encoding.kind is Kind.SHARED else tensor.numel() * tensor.element_size()
+        if raw:
+            earlier = self._counted.get(tensor)
+            if earlier is not None:
+                self._rows[earlier] = replace(self._rows[earlier], raw_bytes=0)
+            self._counted.put(tensor, len(self._rows))
+        source = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "no history"
+        self._rows.append(SiteRow(site, source, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                                  encoding.bits if encoding.kind.stored else None, raw, stored,
+                                  _ROW_KIND[encoding.kind]))
+        return len(self._rows) - 1
+
+    def fill(self, row: int, site: str, stored: int) -> None:
+        """The stored bytes of a row packed in the background, once known."""
+        if 0 <= row < len(self._rows) and self._rows[row].site == site:
+            self._rows[row] = replace(self._rows[row], stored_bytes=stored)
+
+    def report(self, sections: dict[str, Any]) -> Report:
+        """Figures of the last finished forward."""
+        return Report(list(self._last), self.parameters_referenced, sections)

@@ -1,0 +1,126 @@
+"""The routing rules of one saved tensor, as a pure function: ``route(tensor, context) -> Encoding``.
+
+In order (the first that holds decides):
+
+1. a parameter or buffer (or a view of one): referenced, never copied;
+2. ReLU's own save of its output, with masks on: an exact 1-bit mask (``relu_mask``);
+3. not compressible (no autograd history, not floating point, small, sparse, meta): an exact
+   mask if it holds two values, else kept raw;
+4. an earlier save of the same tensor in this forward is stored: shared;
+5. two values only (dropout masks): an exact mask;
+6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
+   its nonzeros (``nonzeros``);
+7. codes at the bits the policy gives; 0 bits keeps it raw.
+
+Tensors without autograd history (input data, statistics such as attention's logsumexp,
+values computed under no_grad) stay raw: backward may feed them to exp(), which turns a
+quantization step into a multiplicative error, and input batches are held by the caller anyway.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from daf.codec.mask import MASK_DTYPES, two_values
+from daf.codec.nonzeros import nonzeros_of
+from daf.format import FLOAT_DTYPES
+from daf.tracing import OpCall
+
+__all__ = ["Kind", "Encoding", "Context", "route"]
+
+
+class Kind(enum.Enum):
+    PARAMETER = "parameter"
+    RAW = "raw"
+    SHARED = "shared"
+    RELU_MASK = "relu_mask"
+    MASK = "mask"
+    NONZEROS = "nonzeros"
+    CODES = "codes"
+
+    @property
+    def stored(self) -> bool:
+        """Whether DAF encodes and stores the tensor (else autograd keeps it, or an earlier record)."""
+        return self in (Kind.RELU_MASK, Kind.MASK, Kind.NONZEROS, Kind.CODES)
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How one saved tensor is kept: ``kind``, code width ``bits`` (1 for masks, None when not
+    stored), the registry name of its ``codec``, and the two ``values`` of a mask. ``data`` is what
+    the codec encodes when it is not the tensor itself (the nonzeros); it takes no part in equality."""
+
+    kind: Kind
+    bits: int | None = None
+    codec: str | None = None
+    values: tuple[float, float] | None = None
+    data: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What routing knows besides the tensor. ``shared``: an earlier save of this tensor is stored;
+    ``relu_mask``: ReLU's mask of this very tensor is stored; ``bits_for(site, x, op)``: the policy."""
+
+    site: str
+    op: OpCall | None
+    is_parameter: bool
+    shared: bool
+    relu_mask: bool
+    masks: bool
+    min_numel: int
+    nonzeros_only: bool
+    bits_for: Callable[[str, torch.Tensor, OpCall | None], int]
+
+
+PARAMETER = Encoding(Kind.PARAMETER)
+RAW = Encoding(Kind.RAW)
+KEPT_BY_POLICY = Encoding(Kind.RAW, 0)  # the policy gave 0 bits
+SHARED = Encoding(Kind.SHARED)
+RELU_MASK = Encoding(Kind.RELU_MASK, 1, "relu_mask")
+
+
+def route(tensor: torch.Tensor, context: Context) -> Encoding:
+    """The encoding of ``tensor`` saved at ``context.site`` (the rules in the module docstring)."""
+    if context.is_parameter:
+        return PARAMETER
+    if context.masks and context.op is not None and context.op.is_relu and is_relu_result(tensor):
+        return RELU_MASK
+    if not compressible(tensor, context.min_numel):
+        return _mask_or(tensor, context, RAW)
+    if context.shared:
+        return SHARED
+    mask = _mask_or(tensor, context, None)
+    if mask is not None:
+        return mask
+    nonzeros = nonzeros_of(tensor, context.min_numel) if context.relu_mask and context.nonzeros_only else None
+    data = tensor if nonzeros is None else nonzeros
+    bits = context.bits_for(context.site, data, context.op)
+    if bits == 0:
+        return KEPT_BY_POLICY
+    if nonzeros is not None:
+        return Encoding(Kind.NONZEROS, bits, "codes", data=nonzeros)
+    return Encoding(Kind.CODES, bits, "codes")
+
+
+def _mask_or(tensor: torch.Tensor, context: Context, otherwise: Encoding | None) -> Encoding | None:
+    """An exact mask when ``tensor`` holds two values (and masks are on), else ``otherwise``."""
+    if not context.masks or tensor.dtype not in MASK_DTYPES or tensor.layout != torch.strided \
+            or tensor.numel() < max(context.min_numel, 1) or tensor.is_meta:
+        return otherwise
+    values = two_values(tensor)
+    return otherwise if values is None else Encoding(Kind.MASK, 1, "mask", values)
+
+
+def is_relu_result(tensor: torch.Tensor) -> bool:
+    return (tensor.grad_fn is not None and type(tensor.grad_fn).__name__ == "ReluBackward0"
+            and tensor.dtype.is_floating_point and tensor.layout == torch.strided and not tensor.is_meta)
+
+
+def compressible(tensor: torch.Tensor, min_numel: int) -> bool:
+    return (tensor.grad_fn is not None and tensor.dtype in FLOAT_DTYPES
+            and tensor.numel() >= max(min_numel, 1) and tensor.layout == torch.strided and not tensor.is_meta)
