@@ -42,11 +42,12 @@ class _Saved:
     kept alive with it, which says where they go and the output's shape, order and dtype.
     """
 
-    __slots__ = ("store", "ref", "site", "pending", "mask", "__weakref__")
+    __slots__ = ("store", "ref", "site", "pending", "mask", "source", "__weakref__")
 
-    def __init__(self, store: Store, ref: int | None, site: str,
+    def __init__(self, store: Store, ref: int | None, site: str, source: "_Source",
                  pending: tuple[Future, float, int] | None = None, mask: "_Saved | None" = None) -> None:
         self.store, self.ref, self.site, self.pending, self.mask = store, ref, site, pending, mask
+        self.source = source
 
     def __del__(self) -> None:
         if self.ref is None:
@@ -55,6 +56,46 @@ class _Saved:
             self.store.release(self.ref)
         except Exception:  # interpreter shutdown: nothing left to free
             pass
+
+
+def _check_version(tensor: torch.Tensor, version: int, site: str) -> None:
+    """Raise as autograd does when a tensor saved for backward was modified in place since it was saved
+    (saved-tensor hooks turn autograd's own check off, so DAF makes it)."""
+    if tensor._version != version:
+        raise RuntimeError(
+            f"DAF (site {site}): one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected "
+            f"version {version} instead. Plain PyTorch raises here too: make the change after backward, or out "
+            f"of place (x = x + 1 instead of x.add_(1)).")
+
+
+class _Source:
+    """A weak reference to the tensor a record was made from, and its version then. The record holds the
+    values of pack time, but a program that modifies the tensor in place before backward would raise
+    without DAF: it raises with DAF too, rather than train differently under DAF and without it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = weakref.ref(tensor), tensor._version
+
+    def check(self, site: str) -> None:
+        tensor = self.tensor()
+        if tensor is not None:
+            _check_version(tensor, self.version, site)
+
+
+class _Kept:
+    """A tensor autograd keeps as it is (raw, or a parameter), with its version at pack time."""
+
+    __slots__ = ("tensor", "version", "site")
+
+    def __init__(self, tensor: torch.Tensor, site: str) -> None:
+        self.tensor, self.version, self.site = tensor, tensor._version, site
+
+    def unpack(self) -> torch.Tensor:
+        _check_version(self.tensor, self.version, self.site)
+        return self.tensor
 
 
 class Session:
@@ -114,7 +155,7 @@ class Session:
         if encoding.kind.stored:
             saved, stored, pending = self._encode_and_put(encoding, tensor, site, op)
         else:
-            saved = self._shared.get(tensor) if encoding.kind is Kind.SHARED else tensor
+            saved = self._shared.get(tensor) if encoding.kind is Kind.SHARED else _Kept(tensor, site)
             stored, pending = (tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0), False
         row = self.accounting.add(site, tensor, encoding, stored)
         if pending:
@@ -138,12 +179,13 @@ class Session:
         mask = self._relu_masks.get(tensor) if encoding.kind is Kind.NONZEROS else None
         codes = encoding.kind in (Kind.CODES, Kind.NONZEROS)
         if codes and self.packer is not None:
-            saved = _Saved(self.store, None, site, (self.packer.submit(encoding.codec, data, spec), importance), mask)
+            saved = _Saved(self.store, None, site, _Source(tensor),
+                           (self.packer.submit(encoding.codec, data, spec), importance), mask)
             self._pending.append(saved)
             stored, pending = 0, True  # filled in when the packed tensor is collected
         else:
             packed = self.codecs.encode(encoding.codec, data, spec)
-            saved = _Saved(self.store, self.store.put(packed, importance, site), site, None, mask)
+            saved = _Saved(self.store, self.store.put(packed, importance, site), site, _Source(tensor), None, mask)
             stored, pending = packed.nbytes, False
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
@@ -166,8 +208,9 @@ class Session:
             op.saves.append((site, tensor))
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
+        if isinstance(saved, _Kept):
+            return saved.unpack()
+        saved.source.check(saved.site)
         recent = self._recent
         if recent is not None and recent[0]() is saved:
             return recent[1]
