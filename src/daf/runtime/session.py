@@ -294,13 +294,28 @@ class Session:
         return Report(list(rows), self._parameters_referenced, sections)
 
     def close(self) -> None:
-        self._collect_pending()
-        if self.packer is not None:
-            self.packer.close()
-        self.policy.close()
-        self._recent = None
-        self._shared.clear()
-        self.store.close()
+        """Stop the packer, remove the policy's hooks and close the store to new records; idempotent.
+
+        Records already stored stay readable until autograd releases them: backward may run after.
+        """
+        if getattr(self, "_closed", False):  # set here, not in __init__, to keep this change to close()
+            return
+        self._closed = True
+        try:
+            self._collect_pending()
+        finally:  # a failed background pack must not leave the worker thread and the hooks behind
+            if self.packer is not None:
+                self.packer.close()
+            self.policy.close()
+            self._recent = None
+            self._shared.clear()
+            self.store.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class _Hooks:
