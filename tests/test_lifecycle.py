@@ -225,6 +225,10 @@ class Fails(nn.Module):
         return x
 
 
+def refuse(module: nn.Module, args: Any) -> None:
+    raise RuntimeError("refused")
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_an_exception_mid_forward_leaves_no_hook_entered(policy):
     fails = Fails()
@@ -235,6 +239,11 @@ def test_an_exception_mid_forward_leaves_no_hook_entered(policy):
     assert autograd_saves_tensors_as_they_are()
     assert torch._C._len_torch_function_stack() == 0  # the op tracker (a TorchFunctionMode) is off too
     fails.armed = False
+    handle = model.register_forward_pre_hook(refuse)  # the user's, run after DAF's own: raises before forward
+    with pytest.raises(RuntimeError, match="refused"):
+        model(torch.randn(8, 64))
+    assert autograd_saves_tensors_as_they_are() and torch._C._len_torch_function_stack() == 0
+    handle.remove()
     model(torch.randn(8, 64)).sum().backward()  # and the next forward is compressed as usual
     assert [r.site for r in daf.report(model).rows if r.kind == "compressed"]
     daf.unwrap(model)
