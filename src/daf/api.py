@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,15 +23,20 @@ _ATTR = "_daf_attachment"
 
 
 class _Attachment:
-    """The hooks DAF put on one model, and the session they feed."""
+    """The hooks DAF put on one model, and the session they feed.
+
+    The session is closed by ``unwrap`` or, failing that, when the model is garbage-collected:
+    nothing else would stop its threads and remove the policy's hooks. The finalizer holds the
+    session, never the model, so it does not keep the model alive.
+    """
 
     def __init__(self, model: nn.Module, session: Session) -> None:
         self.session = session
-        self._depth = 0
         self._contexts: list[Any] = []
         self.handles = session.sites.attach(model)
         self.handles.append(model.register_forward_pre_hook(self._begin))
         self.handles.append(model.register_forward_hook(self._end, always_call=True))
+        self._finalizer = weakref.finalize(model, session.close)
 
     def _active(self, model: nn.Module) -> bool:
         return model.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -55,12 +61,15 @@ class _Attachment:
                 self.session.end_forward()
 
     def detach(self) -> None:
+        """Remove the hooks and close the session; records already stored stay readable for a backward
+        still to come (the store frees each when autograd releases it)."""
         for handle in self.handles:
             handle.remove()
         while self._contexts:
             context = self._contexts.pop()
             if context is not None:
                 context.__exit__(None, None, None)
+        self._finalizer()  # closes the session once, and unregisters it from the garbage collector's finalizers
 
 
 def _config(config: Config | None, overrides: dict[str, Any]) -> Config:
@@ -99,12 +108,13 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Remove DAF from ``model``: hooks gone, stored activations freed once backward no longer needs them."""
+    """Remove DAF from ``model``: its hooks and its policy's gone, its worker threads stopped; what a forward
+    before stored stays readable for backward, each record freed once backward no longer needs it."""
     attachment = getattr(model, _ATTR, None)
     if attachment is None:
         raise ValueError("this model is not wrapped by DAF (use daf.wrap(model) first)")
-    attachment.detach()
     object.__delattr__(model, _ATTR)
+    attachment.detach()
     return model
 
 
@@ -127,7 +137,9 @@ def compress(model: nn.Module | None = None, config: Config | None = None, **ove
     """Compress what is saved for backward inside the block; yields the session.
 
     Backward may run after the block. With ``model`` given, sites are named after
-    its submodules and ``daf.report(session)`` has their paths.
+    its submodules and ``daf.report(session)`` has their paths. The block closes the
+    session when it ends (hooks removed, worker threads stopped); what it stored stays
+    readable until backward no longer needs it.
 
     >>> lin = nn.Linear(64, 64)
     >>> with compress(lin, min_numel=1) as s:
@@ -137,15 +149,16 @@ def compress(model: nn.Module | None = None, config: Config | None = None, **ove
     ['raw', 'compressed']
     """
     session = _session(_config(config, overrides))
-    handles = session.sites.attach(model) if model is not None else []
-    session.begin_forward(model)
-    try:
-        with session.hooks():
-            yield session
-    finally:
-        session.end_forward()
-        for handle in handles:
-            handle.remove()
+    with session:
+        handles = session.sites.attach(model) if model is not None else []
+        try:
+            session.begin_forward(model)
+            with session.hooks():
+                yield session
+        finally:
+            for handle in handles:
+                handle.remove()
+            session.end_forward()
 
 
 def allocator_status() -> AllocatorStatus:

@@ -137,6 +137,12 @@ class AdaptivePolicy(Policy):
         return figures
 
     def close(self) -> None:
+        """Remove the parameter hooks and stop watching: a forward after this puts no new ones.
+
+        Hooks on a step's intermediate tensors have no handle; they go with the autograd graph
+        and only fill in figures no plan reads any more.
+        """
+        self._watching = False
         self.estimator.close()
 
     # -- planning ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ not pay, see docs/kernels.md for the measurement.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -42,5 +43,10 @@ class BackgroundPacker:
         return packed
 
     def close(self) -> None:
-        """Finish queued work and stop the worker."""
-        self._executor.shutdown(wait=True)
+        """Finish queued work and stop the worker; idempotent.
+
+        Called on the worker itself (a garbage collection there finalizing the session's model), it
+        cannot wait for itself: the worker then stops after its current task.
+        """
+        on_worker = threading.current_thread() in getattr(self._executor, "_threads", ())
+        self._executor.shutdown(wait=not on_worker)

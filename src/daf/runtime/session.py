@@ -122,6 +122,7 @@ class Session:
         self._recent: tuple[weakref.ref, torch.Tensor] | None = None
         # Which torch function is running, per thread (torch's function modes are per thread too).
         self._local = threading.local()
+        self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
     def begin_forward(self, model: torch.nn.Module | None = None) -> None:
@@ -271,13 +272,28 @@ class Session:
         return self.accounting.report(sections)
 
     def close(self) -> None:
-        self._collect_pending()
-        if self.packer is not None:
-            self.packer.close()
-        self.policy.close()
-        self._recent = None
-        self._shared.clear()
-        self.store.close()
+        """Stop the packer, remove the policy's hooks and close the store to new records; idempotent.
+
+        Records already stored stay readable until autograd releases them: backward may run after.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._collect_pending()
+        finally:  # a failed background pack must not leave the worker thread and the hooks behind
+            if self.packer is not None:
+                self.packer.close()
+            self.policy.close()
+            self._recent = None
+            self._shared.clear()
+            self.store.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class _Hooks:
