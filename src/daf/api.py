@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -32,11 +33,18 @@ class _Attachment:
 
     def __init__(self, model: nn.Module, session: Session) -> None:
         self.session = session
-        self._contexts: list[Any] = []
+        self._local = threading.local()  # each thread's forward enters hooks of its own (autograd's are per thread)
         self.handles = session.sites.attach(model)
         self.handles.append(model.register_forward_pre_hook(self._begin))
         self.handles.append(model.register_forward_hook(self._end, always_call=True))
         self._finalizer = weakref.finalize(model, session.close)
+
+    @property
+    def _contexts(self) -> list[Any]:
+        contexts = getattr(self._local, "contexts", None)
+        if contexts is None:
+            contexts = self._local.contexts = []
+        return contexts
 
     def _active(self, model: nn.Module) -> bool:
         return model.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

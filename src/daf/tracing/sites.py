@@ -8,6 +8,7 @@ bit policy and the importance index key on.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 from torch import nn
@@ -22,8 +23,15 @@ class SiteTracker:
     """Follows which module is running, through forward pre/post hooks on every submodule."""
 
     def __init__(self) -> None:
-        self._stack: list[str] = []
+        self._local = threading.local()  # a forward on another thread has a module stack of its own
         self._counts: Counter[str] = Counter()
+
+    @property
+    def _stack(self) -> list[str]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
 
     def reset(self) -> None:
         """Start counting a new forward."""

@@ -1,0 +1,44 @@
+"""One wrapped model used from two threads at once gives each thread its own gradients."""
+
+import threading
+
+import torch
+from torch import nn
+
+import daf
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+
+
+def test_two_threads_on_one_wrapped_model_get_the_gradients_of_plain_pytorch():
+    plain = _model()
+    model = daf.wrap(_model(), bits=8, rounding="nearest", min_numel=1)
+    inputs = [torch.randn(128, 64, generator=torch.Generator().manual_seed(i)) * (1 + 10 * i) for i in range(2)]
+    expected = [_grads(plain, x) for x in inputs]
+    barrier, worst, errors = threading.Barrier(2), [1.0, 1.0], []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(20):
+                barrier.wait()  # both forwards at once: their saves interleave
+                got = _grads(model, inputs[i])
+                worst[i] = min(worst[i], float(torch.nn.functional.cosine_similarity(got, expected[i], dim=0)))
+        except Exception as error:  # reported below: an exception in a thread does not fail the test
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert min(worst) > 0.999, worst
