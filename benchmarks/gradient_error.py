@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,18 +35,18 @@ from torch import nn
 
 import daf
 
-POLICIES: dict[str, dict] = {
-    "uniform-2": dict(policy="uniform", bits=2),
-    "adaptive-2.0": dict(policy="adaptive", bits=2.0),
-    "adaptive-1.5": dict(policy="adaptive", bits=1.5),
-    "division-2": dict(policy="uniform", bits=2, codec="division"),
+POLICIES: dict[str, daf.Config] = {
+    "uniform-2": daf.Config(bits=2),
+    "adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0)),
+    "adaptive-1.5": daf.Config(policy=daf.Adaptive(average=1.5)),
+    "division-2": daf.Config(bits=2, codec=daf.Division()),
 }
 # not run by default; name them in --policies
-EXTRA: dict[str, dict] = {
-    "uniform-2-nomasks": dict(policy="uniform", bits=2, masks=False),
-    "uniform-4": dict(policy="uniform", bits=4),
-    "adaptive-4.0": dict(policy="adaptive", bits=4.0),
-    "uniform-8": dict(policy="uniform", bits=8),
+EXTRA: dict[str, daf.Config] = {
+    "uniform-2-nomasks": daf.Config(bits=2, masks=False),
+    "uniform-4": daf.Config(bits=4),
+    "adaptive-4.0": daf.Config(policy=daf.Adaptive(average=4.0)),
+    "uniform-8": daf.Config(bits=8),
 }
 
 
@@ -146,16 +147,23 @@ def _gradient(model: nn.Module, workload: Workload, batch: tuple, seed: int) -> 
                       for _, p in _trainable(model)])
 
 
-def run(workload: Workload, steps: int, policies: dict[str, dict], replan_every: int, seed: int = 0) -> dict:
+def _replanned_every(config: daf.Config, replan_every: int) -> daf.Config:
+    """``config`` with the benchmark's ``--replan-every`` where its policy re-plans (the adaptive one)."""
+    if isinstance(config.policy, daf.Adaptive):
+        return config.replace(policy=dataclasses.replace(config.policy, replan_every=replan_every))
+    return config
+
+
+def run(workload: Workload, steps: int, policies: dict[str, daf.Config], replan_every: int, seed: int = 0) -> dict:
     """Per policy: relative gradient error per step and stored bytes per step; plus fp32 step times."""
     torch.manual_seed(seed)
     reference = workload.make_model().train()
     optimizer = workload.optimizer([p for _, p in _trainable(reference)])
     models = {}
-    for name, overrides in policies.items():
+    for name, config in policies.items():
         model = workload.make_model().train()
         model.load_state_dict(reference.state_dict())
-        models[name] = daf.wrap(model, daf.Config(replan_every=replan_every, **overrides))
+        models[name] = daf.wrap(model, _replanned_every(config, replan_every))
     results: dict = {name: {"errors": [], "stored_bytes": [], "quantized_bytes": [], "mask_bytes": [],
                             "seconds": []} for name in policies}
     fp32_seconds = []

@@ -7,25 +7,27 @@ import re
 
 import pytest
 
-from daf import Config
-from daf.config import parse_size
+import daf
+from daf import Adaptive, Config, Division, MinMax, Uniform
+from daf.config import CONFIG_VERSION, parse_size
 
 
 def test_defaults_are_valid():
     c = Config()
-    assert (c.bits, c.group_size, c.rounding, c.policy) == (2, 256, "stochastic", "uniform")
+    assert (c.bits, c.group_size, c.rounding, c.policy, c.codec) == (2, 256, "stochastic", Uniform(), MinMax())
+    assert (daf.Uniform, daf.Adaptive, daf.MinMax, daf.Division) == (Uniform, Adaptive, MinMax, Division)
 
 
 @pytest.mark.parametrize("field, value, allowed", [
     ("bits", 3, "one of (1, 2, 4, 8)"),
-    ("bits", "2", "must be a number"),
+    ("bits", "2", "one of (1, 2, 4, 8)"),
     ("group_size", 100, "power of two"),
     ("group_size", 8, "in [16, 1048576]"),
     ("rounding", "up", "'stochastic', 'nearest'"),
     ("min_numel", -1, ">= 0"),
     ("seed", 1.5, "integer"),
-    ("policy", "greedy", "'uniform', 'adaptive'"),
-    ("codec", "zip", "'minmax', 'division'"),
+    ("policy", "greedy", "daf.Uniform(), daf.Adaptive(...)"),
+    ("codec", "zip", "daf.MinMax(), daf.Division()"),
     ("backend", "cuda", "'auto', 'native', 'reference'"),
     ("budget", "lots", "could not parse"),
     ("budget", -5, "positive"),
@@ -40,10 +42,59 @@ def test_bad_values_name_field_value_and_allowed(field, value, allowed):
     assert f"Config.{field}" in message and allowed in message and repr(value).strip("'") in message
 
 
-def test_adaptive_accepts_fractional_average():
-    assert Config(policy="adaptive", bits=1.5).bits == 1.5
-    with pytest.raises(ValueError, match="average in \\[1, 8\\]"):
-        Config(policy="adaptive", bits=9)
+def test_adaptive_takes_a_fractional_average_and_validates_its_knobs():
+    assert Config(policy=Adaptive(average=1.5)).policy.average == 1.5
+    assert Adaptive(average=2).average == 2.0 and isinstance(Adaptive(average=2).average, float)
+    with pytest.raises(ValueError, match=r"Adaptive.average must be a number in \[1, 8\], got 9"):
+        Adaptive(average=9)
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("average", 0.5, "a number in [1, 8]"),
+    ("average", "2", "a number in [1, 8]"),
+    ("replan_every", 0, "an integer >= 1"),
+    ("replan_every", 2.0, "an integer >= 1"),
+    ("window", 0, "an integer >= 1"),
+    ("smoothing", 1.0, "a number in [0, 1)"),
+    ("min_gain", 1.5, "a number in [0, 1]"),
+    ("allow_raw", 1, "True or False"),
+])
+def test_bad_adaptive_knobs_name_field_value_and_allowed(field, value, allowed):
+    with pytest.raises(ValueError) as info:
+        Adaptive(**{field: value})
+    message = str(info.value)
+    assert f"Adaptive.{field} must be {allowed}, got {value!r}" in message
+
+
+def test_typed_configs_refuse_unknown_keywords_and_assignment():
+    with pytest.raises(ValueError, match="unknown Adaptive field.*'averge' \\(did you mean 'average'\\?\\)"):
+        Adaptive(averge=2.0)
+    with pytest.raises(ValueError, match="unknown Uniform field.*'bits'"):
+        Uniform(bits=2)
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"daf.Adaptive is immutable.*dataclasses.replace"):
+        Adaptive().average = 3.0
+    assert dataclasses.replace(Adaptive(), average=3).average == 3.0
+    with pytest.raises(ValueError, match="Adaptive.average"):
+        dataclasses.replace(Adaptive(), average=10)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(policy="adaptive"), "write policy=daf.Adaptive(average=2.0)"),
+    (dict(policy="adaptive", bits=1.5), "write policy=daf.Adaptive(average=1.5)"),
+    (dict(policy="uniform"), "write policy=daf.Uniform()"),
+    (dict(codec="division"), "write codec=daf.Division()"),
+    (dict(codec="minmax"), "write codec=daf.MinMax()"),
+    (dict(bits=1.5), "Config.bits must be one of (1, 2, 4, 8) (the code width of the Uniform policy), got 1.5; "
+                     "for an average of 1.5 bits per element write policy=daf.Adaptive(average=1.5)"),
+    (dict(bits=4, policy=Adaptive()), "write policy=daf.Adaptive(average=4.0) and leave bits at 2"),
+    (dict(replan_every=10), "write policy=daf.Adaptive(replan_every=...)"),
+    (dict(policy=Division()), "Config.policy must be one of daf.Uniform(), daf.Adaptive(...)"),
+    (dict(codec=Adaptive()), "Config.codec must be one of daf.MinMax(), daf.Division()"),
+])
+def test_the_old_string_and_number_forms_say_what_to_write_instead(kwargs, says):
+    with pytest.raises(ValueError) as info:
+        Config(**kwargs)
+    assert says in str(info.value)
 
 
 @pytest.mark.parametrize("text, size", [("512MiB", 512 * 2**20), ("1.5 GB", 1_500_000_000), ("4096", 4096),
@@ -60,17 +111,70 @@ def test_replace_validates_and_rejects_unknown_fields():
         Config().replace(bits=5)
 
 
-def test_round_trips_through_json():
-    c = Config(bits=4, budget="1MiB", rounding="nearest", seed=7)
-    again = Config.from_dict(json.loads(json.dumps(c.to_dict())))
-    assert again == c and again.to_dict()["version"] == 1
+@pytest.mark.parametrize("config", [
+    Config(bits=4, budget="1MiB", rounding="nearest", seed=7),
+    Config(policy=Adaptive(average=1.5, replan_every=7, window=2, smoothing=0.5, min_gain=0.1, allow_raw=False),
+           codec=Division(), masks=False),
+    Config(bits=8, codec=Division(), allocator="system"),
+])
+def test_round_trips_through_json(config):
+    data = config.to_dict()
+    assert data["version"] == CONFIG_VERSION == 2
+    assert data["policy"]["kind"] in ("uniform", "adaptive") and data["codec"]["kind"] in ("minmax", "division")
+    again = Config.from_dict(json.loads(json.dumps(data)))
+    assert again == config and again.to_dict() == data
 
 
-def test_unknown_version_is_refused():
-    data = Config().to_dict()
-    data["version"] = 99
-    with pytest.raises(ValueError, match="version 99"):
-        Config.from_dict(data)
+def test_typed_configs_serialize_with_their_kind_and_fields():
+    data = Config(policy=Adaptive(average=1.5), codec=Division()).to_dict()
+    assert data["policy"] == {"kind": "adaptive", "average": 1.5, "replan_every": 50, "window": 4, "smoothing": 0.7,
+                              "min_gain": 0.25, "allow_raw": True}
+    assert data["codec"] == {"kind": "division"} and Config().to_dict()["policy"] == {"kind": "uniform"}
+    assert "replan_every" not in data
+
+
+def test_from_dict_fills_missing_fields_with_defaults():
+    assert Config.from_dict({"policy": {"kind": "adaptive", "average": 3.0}}) == Config(policy=Adaptive(average=3.0))
+    assert Config.from_dict({}) == Config()
+    with pytest.raises(ValueError, match="needs a 'kind'"):
+        Config.from_dict({"policy": {"average": 3.0}})
+    with pytest.raises(ValueError, match="needs a 'kind'"):
+        Config.from_dict({"codec": {"kind": "zip"}})
+    with pytest.raises(ValueError, match="unknown Adaptive field.*'averge'"):
+        Config.from_dict({"policy": {"kind": "adaptive", "averge": 3.0}})
+
+
+# What version-1 records held (docs/results/*.json): string policy and codec, bits an average under
+# the adaptive policy, replan_every at the top.
+_V1 = {"bits": 2, "group_size": 256, "rounding": "stochastic", "min_numel": 4096, "seed": 0, "policy": "uniform",
+       "codec": "minmax", "backend": "auto", "budget": None, "min_bits": 2, "replan_every": 50, "page_size": 4096,
+       "spill_dir": None, "background": False, "masks": True, "allocator": "auto", "version": 1}
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({}, Config()),
+    ({"bits": 4, "codec": "division"}, Config(bits=4, codec=Division())),
+    ({"policy": "adaptive", "bits": 1.5, "replan_every": 7}, Config(policy=Adaptive(average=1.5, replan_every=7))),
+    ({"policy": "adaptive", "bits": 4.0}, Config(policy=Adaptive(average=4.0))),
+    ({"replan_every": 3}, Config()),  # it did nothing under the uniform policy
+])
+def test_version_1_dicts_are_migrated(changes, expected):
+    data = {**_V1, **changes}
+    assert Config.from_dict(data) == expected
+    assert Config.from_dict(json.loads(json.dumps(data))).to_dict()["version"] == 2
+
+
+def test_version_1_dicts_of_older_records_lacking_later_fields_are_migrated():
+    old = {k: v for k, v in _V1.items() if k not in ("masks", "allocator")}
+    assert Config.from_dict({**old, "policy": "adaptive", "bits": 2.0}) == Config(policy=Adaptive(average=2.0))
+
+
+@pytest.mark.parametrize("changes, says", [({"policy": "greedy"}, "version-1 Config.policy"),
+                                           ({"codec": "zip"}, "version-1 Config.codec"),
+                                           ({"policy": "adaptive", "bits": 9}, "Adaptive.average")])
+def test_bad_version_1_dicts_are_refused(changes, says):
+    with pytest.raises(ValueError, match=says):
+        Config.from_dict({**_V1, **changes})
 
 
 @pytest.mark.parametrize("make", [lambda: Config(bitz=2), lambda: Config().replace(bitz=2),
@@ -107,12 +211,12 @@ def test_a_config_cannot_be_changed_after_it_is_validated(field, value):
 
 
 def test_frozen_config_still_copies_hashes_and_pickles():
-    c = Config(policy="adaptive", bits=1.5, budget="1MiB")
-    assert c.replace(bits=2.0).bits == 2.0 and c.bits == 1.5
+    c = Config(policy=Adaptive(average=1.5), budget="1MiB")
+    assert c.replace(policy=Adaptive(average=2.0)).policy.average == 2.0 and c.policy.average == 1.5
     assert Config(bits=4.0).bits == 4 and isinstance(Config(bits=4.0).bits, int)  # normalized in __post_init__
     assert Config(budget="1KiB").budget == 1024
     assert pickle.loads(pickle.dumps(c)) == c and copy.deepcopy(c) == c and hash(c) == hash(c.replace())
-    assert {c: 1}[Config(policy="adaptive", bits=1.5, budget=2**20)] == 1
+    assert {c: 1}[Config(policy=Adaptive(average=1.5), budget=2**20)] == 1
 
 
 def test_spill_dir_is_checked_when_the_config_is_made(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ STORE_CONTRACT = pytest.mark.xfail(strict=True, reason="store close contract lan
 
 def adaptive(**knobs: Any) -> daf.Config:
     """The adaptive policy at 2 bits on average (one line to change when it becomes ``daf.Adaptive(average=2.0)``)."""
-    return daf.Config(policy="adaptive", bits=2.0, **knobs)
+    return daf.Config(policy=daf.Adaptive(average=2.0), **knobs)
 
 
 def uniform(**knobs: Any) -> daf.Config:

@@ -5,14 +5,17 @@
 >>> model(torch.randn(256, 64)).sum().backward()
 >>> daf.report(model).raw_bytes > daf.report(model).stored_bytes
 True
+
+The bit policy and the codec are typed configs: ``daf.wrap(model, policy=daf.Adaptive(average=1.5))``,
+``daf.wrap(model, codec=daf.Division())``.
 """
 
 from daf.api import allocator_status, compress, native_status, report, session_of, unwrap, wrap
-from daf.config import Config
+from daf.config import Adaptive, Config, Division, MinMax, Uniform
 from daf.memory.errors import OutOfBudget
 from daf.report import Report
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "unwrap", "compress", "report", "session_of", "Config", "Report", "OutOfBudget",
-           "allocator_status", "native_status"]
+__all__ = ["wrap", "unwrap", "compress", "report", "session_of", "Config", "Uniform", "Adaptive", "MinMax",
+           "Division", "Report", "OutOfBudget", "allocator_status", "native_status"]

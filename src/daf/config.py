@@ -4,10 +4,12 @@
 4
 >>> Config(budget="1.5MiB").budget
 1572864
+>>> Config(policy=Adaptive(average=1.5)).policy.average
+1.5
 >>> Config(bits=3)
 Traceback (most recent call last):
 ...
-ValueError: Config.bits must be one of (1, 2, 4, 8) with policy='uniform', got 3
+ValueError: Config.bits must be one of (1, 2, 4, 8) (the code width of the Uniform policy), got 3; for an average of 3 bits per element write policy=daf.Adaptive(average=3.0)
 
 A ``Config`` is immutable; ``replace`` gives a validated copy:
 
@@ -18,6 +20,9 @@ Traceback (most recent call last):
 dataclasses.FrozenInstanceError: daf.Config is immutable: cannot set 'bits'; use config.replace(bits=...) for a validated copy
 >>> c.replace(bits=4).bits
 4
+
+The bit policy and the codec are typed configs (``Uniform``/``Adaptive``, ``MinMax``/``Division``),
+each validated when it is made; ``daf.policy.register_policy`` adds policy config types.
 """
 
 from __future__ import annotations
@@ -27,19 +32,21 @@ import difflib
 import functools
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
 
-__all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "parse_size", "ALLOWED_BITS"]
+__all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "parse_size", "register_config_type",
+           "ALLOWED_BITS", "CONFIG_VERSION"]
 
 ALLOWED_BITS = (1, 2, 4, 8)
-CONFIG_VERSION = 1
+# 2: policy and codec are typed configs ({"kind": ..., fields}), replan_every moved into Adaptive,
+# bits is only the uniform width. Version-1 dicts are migrated by ``Config.from_dict``.
+CONFIG_VERSION = 2
 
 _ROUNDINGS = ("stochastic", "nearest")
-_POLICIES = ("uniform", "adaptive")
-_CODECS = ("minmax", "division")
 _BACKENDS = ("auto", "native", "reference")
 _ALLOCATORS = ("auto", "system", *ALLOCATORS)
 _SIZE_UNITS = {
@@ -48,6 +55,8 @@ _SIZE_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+# Fields that left Config, and where they went.
+_MOVED = {"replan_every": "it belongs to the adaptive policy: write policy=daf.Adaptive(replan_every=...)"}
 
 
 def parse_size(value: int | str | None, name: str = "size") -> int | None:
@@ -85,16 +94,23 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _check_field_names(names: Any) -> None:
-    """``ValueError`` naming the unknown ones among ``names`` (keywords of ``Config`` or ``replace``)."""
-    known = [f.name for f in dataclasses.fields(Config)]
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_field_names(cls: type, names: Any) -> None:
+    """``ValueError`` naming the unknown ones among ``names`` (keywords of ``cls`` or its ``replace``)."""
+    known = [f.name for f in dataclasses.fields(cls)]
     unknown = [name for name in names if name not in known]
     if not unknown:
         return
+    moved = [f"{name!r} ({_MOVED[name]})" for name in unknown if cls is Config and name in _MOVED]
+    if moved:
+        raise ValueError(f"Config has no field {', '.join(moved)}")
     allowed = sorted(set(known) - {"version"})
     hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, allowed, 1))
              else repr(name) for name in unknown]
-    raise ValueError(f"unknown Config field(s) {', '.join(hints)}; allowed: {', '.join(allowed)}")
+    raise ValueError(f"unknown {cls.__name__} field(s) {', '.join(hints)}; allowed: {', '.join(allowed) or 'none'}")
 
 
 def _immutable(cls: type) -> type:
@@ -106,24 +122,176 @@ def _immutable(cls: type) -> type:
     changed value can never skip validation.
     """
     generated_init = cls.__init__
+    name = cls.__name__
 
     @functools.wraps(generated_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        _check_field_names(kwargs)
+        _check_field_names(cls, kwargs)
         generated_init(self, *args, **kwargs)
 
-    def __setattr__(self: Any, name: str, value: Any) -> None:
-        raise dataclasses.FrozenInstanceError(
-            f"daf.Config is immutable: cannot set {name!r}; use config.replace({name}=...) "
+    def refuse(verb: str, field_name: str) -> dataclasses.FrozenInstanceError:
+        call = "config.replace(" if name == "Config" else f"dataclasses.replace({name.lower()}, "
+        return dataclasses.FrozenInstanceError(
+            f"daf.{name} is immutable: cannot {verb} {field_name!r}; use {call}{field_name}=...) "
             f"for a validated copy")
 
-    def __delattr__(self: Any, name: str) -> None:
-        raise dataclasses.FrozenInstanceError(
-            f"daf.Config is immutable: cannot delete {name!r}; use config.replace({name}=...) "
-            f"for a validated copy")
+    def __setattr__(self: Any, field_name: str, value: Any) -> None:
+        raise refuse("set", field_name)
+
+    def __delattr__(self: Any, field_name: str) -> None:
+        raise refuse("delete", field_name)
 
     cls.__init__, cls.__setattr__, cls.__delattr__ = __init__, __setattr__, __delattr__
     return cls
+
+
+# -- typed configs of the bit policy and the codec --------------------------------------------------
+
+@_immutable
+@dataclass(frozen=True)
+class Uniform:
+    """Bit policy: every compressed site gets ``Config.bits`` (1, 2, 4 or 8)."""
+
+
+@_immutable
+@dataclass(frozen=True)
+class Adaptive:
+    """Bit policy: bits per site from measured importance, at a size-weighted ``average`` (docs/policy.md).
+
+    Attributes:
+        average: bits per element over the compressed sites, in [1, 8] (fractions allowed: 1.5).
+        replan_every: forwards between two plans.
+        window: forwards watched by the importance estimator before each plan.
+        smoothing: weight of the previous estimate when a new one is folded in, in [0, 1).
+        min_gain: a plan replaces uniform bits only if its estimated variance is at least this
+            fraction below theirs, in [0, 1] (the estimates are good to a factor of 2-3 per site).
+        allow_raw: whether the plan may keep a site raw (counted at its dtype's bits).
+    """
+
+    average: float = 2.0
+    replan_every: int = 50
+    window: int = 4
+    smoothing: float = 0.7
+    min_gain: float = 0.25
+    allow_raw: bool = True
+
+    def __post_init__(self) -> None:
+        _check_number("Adaptive.average", self.average, 1, 8)
+        object.__setattr__(self, "average", float(self.average))
+        _check_int("replan_every", self.replan_every, 1, None, owner="Adaptive")
+        _check_int("window", self.window, 1, None, owner="Adaptive")
+        _check_number("Adaptive.smoothing", self.smoothing, 0, 1, high_open=True)
+        _check_number("Adaptive.min_gain", self.min_gain, 0, 1)
+        _check_bool("Adaptive.allow_raw", self.allow_raw)
+
+
+@_immutable
+@dataclass(frozen=True)
+class MinMax:
+    """Codec: per-group min/scale codes (format 1)."""
+
+
+@_immutable
+@dataclass(frozen=True)
+class Division:
+    """Codec: DIVISION dual precision for convolutional feature maps, MinMax for everything else."""
+
+
+# The config types each typed field of Config takes, by their serialized "kind". Filled at import:
+# the built-ins here, others by ``register_config_type`` (``daf.policy.register_policy`` calls it).
+_KINDS: dict[str, dict[str, type]] = {
+    "policy": {"uniform": Uniform, "adaptive": Adaptive},
+    "codec": {"minmax": MinMax, "division": Division},
+}
+
+
+def register_config_type(field_name: str, cls: type, kind: str | None = None) -> str:
+    """Let ``Config.<field_name>`` ("policy" or "codec") take instances of ``cls``, a frozen dataclass
+    whose fields are plain data; returns its ``kind``, the name ``to_dict`` writes (default: the
+    class name in lower case). Registering the same class again is a no-op."""
+    if field_name not in _KINDS:
+        raise ValueError(f"config types are registered for one of {tuple(_KINDS)}, got {field_name!r}")
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+        raise ValueError(f"a {field_name} config type must be a frozen dataclass (@dataclass(frozen=True)), "
+                         f"got {cls!r}")
+    kind = cls.__name__.lower() if kind is None else kind
+    existing = _KINDS[field_name].get(kind)
+    # a class defined again (a module reloaded, a test run twice) replaces its former self
+    if existing is not None and existing is not cls and _qualified(existing) != _qualified(cls):
+        raise ValueError(f"{field_name} kind {kind!r} is already taken by {_qualified(existing)}; "
+                         f"pass another kind= for {_qualified(cls)}")
+    _KINDS[field_name][kind] = cls
+    return kind
+
+
+def _qualified(cls: type) -> str:
+    return f"daf.{cls.__name__}" if cls.__module__ == __name__ else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _kind_of(field_name: str, cls: type) -> str | None:
+    return next((kind for kind, known in _KINDS[field_name].items() if known is cls), None)
+
+
+def _allowed_types(field_name: str) -> str:
+    return ", ".join(f"{_qualified(cls)}(...)" if dataclasses.fields(cls) else f"{_qualified(cls)}()"
+                     for cls in _KINDS[field_name].values())
+
+
+def _check_typed(field_name: str, value: Any, bits: Any) -> None:
+    """``value`` is an instance of a config type registered for ``field_name``; a string says what to write."""
+    cls = _KINDS[field_name].get(value.strip().lower()) if isinstance(value, str) else None
+    if cls is not None:
+        raise ValueError(f"Config.{field_name} takes a typed config, not a string: "
+                         f"{_instead_of_string(field_name, cls, bits)}")
+    if _kind_of(field_name, type(value)) is None:
+        registered = " (others by daf.policy.register_policy)" if field_name == "policy" else ""
+        raise ValueError(f"Config.{field_name} must be one of {_allowed_types(field_name)}{registered}, "
+                         f"got {value!r}")
+
+
+def _instead_of_string(field_name: str, cls: type, bits: Any) -> str:
+    if cls is Adaptive:
+        average = float(bits) if _is_number(bits) and 1 <= bits <= 8 else 2.0
+        return f"write policy=daf.Adaptive(average={average!r}) (the average lives there, not in bits)"
+    if cls is Uniform:
+        return "write policy=daf.Uniform() (the default; the width is Config.bits)"
+    return f"write {field_name}={_qualified(cls)}()"
+
+
+def _typed_to_dict(field_name: str, value: Any) -> dict[str, Any]:
+    return {"kind": _kind_of(field_name, type(value)), **dataclasses.asdict(value)}
+
+
+def _typed_from_dict(field_name: str, value: Any) -> Any:
+    """The config a ``{"kind": ..., fields}`` dict describes; anything else is left for ``Config`` to judge."""
+    if not isinstance(value, Mapping):
+        return value
+    data = dict(value)
+    kind = data.pop("kind", None)
+    cls = _KINDS[field_name].get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"Config.{field_name} in a dict needs a 'kind', one of {tuple(_KINDS[field_name])}; "
+                         f"got {value!r}")
+    return cls(**data)
+
+
+def _migrate_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 dict as version 2: string policy and codec, ``bits`` the adaptive average, a top-level
+    ``replan_every``."""
+    data = dict(data)
+    policy, replan_every = data.pop("policy", "uniform"), data.pop("replan_every", 50)
+    if policy == "adaptive":
+        data["policy"] = {"kind": "adaptive", "average": data.pop("bits", 2.0), "replan_every": replan_every}
+    elif policy == "uniform":
+        data["policy"] = {"kind": "uniform"}  # replan_every did nothing under it
+    else:
+        raise ValueError(f"version-1 Config.policy must be one of ('uniform', 'adaptive'), got {policy!r}")
+    codec = data.pop("codec", "minmax")
+    if codec not in ("minmax", "division"):
+        raise ValueError(f"version-1 Config.codec must be one of ('minmax', 'division'), got {codec!r}")
+    data["codec"] = {"kind": codec}
+    data["version"] = CONFIG_VERSION
+    return data
 
 
 @_immutable
@@ -137,19 +305,20 @@ class Config:
     validated copy; assigning a field raises ``dataclasses.FrozenInstanceError``.
 
     Attributes:
-        bits: code width per element, one of 1, 2, 4, 8 with ``policy="uniform"``;
-            with ``policy="adaptive"`` the average bits per element (a float in [1, 8]).
+        bits: code width per element of the ``Uniform`` policy, one of 1, 2, 4, 8. The adaptive
+            policy's average is ``Adaptive.average``; with it, ``bits`` stays at its default.
         group_size: elements sharing one min/scale pair; a power of two in [16, 2**20].
         rounding: "stochastic" (unbiased, default) or "nearest".
         min_numel: tensors with fewer elements are kept as they are.
         seed: seed of the counter-based generator used by stochastic rounding.
-        policy: "uniform" (every site gets ``bits``) or "adaptive" (bits per site from importance).
-        codec: "minmax" (per-group min/scale) or "division" (DIVISION dual precision for 4-D activations).
+        policy: ``Uniform()`` (every site gets ``bits``) or ``Adaptive(average=...)`` (bits per site
+            from importance), or a type registered with ``daf.policy.register_policy``.
+        codec: ``MinMax()`` (per-group min/scale) or ``Division()`` (DIVISION dual precision for 4-D
+            activations).
         backend: "auto" (native kernels when they build, else reference), "native" or "reference".
         budget: memory budget for stored activations, bytes or a string like "512MiB"; None for no limit.
         min_bits: the fewest bits demotion may go down to under a budget. 2 by default: demoting to
             1 bit wrecked training in the 200-step budget benchmark (docs/paging.md).
-        replan_every: steps between two re-plans of the adaptive policy.
         page_size: bytes per page of the activation pool; a power of two in [4KiB, 64MiB]. Each record
             wastes half a page on average: 4KiB keeps that under 1% on ResNet-18 (docs/paging.md).
         spill_dir: parent directory for the private spill directory: an existing directory this process
@@ -164,17 +333,16 @@ class Config:
             temporaries' memory, so without this the process barely shrinks (docs/allocator.md).
     """
 
-    bits: float = 2
+    bits: int = 2
     group_size: int = 256
     rounding: str = "stochastic"
     min_numel: int = 4096
     seed: int = 0
-    policy: str = "uniform"
-    codec: str = "minmax"
+    policy: Uniform | Adaptive = Uniform()
+    codec: MinMax | Division = MinMax()
     backend: str = "auto"
     budget: int | str | None = None
     min_bits: int = 2
-    replan_every: int = 50
     page_size: int = 4096
     spill_dir: str | None = None
     background: bool = False
@@ -183,6 +351,8 @@ class Config:
     version: int = field(default=CONFIG_VERSION, repr=False)
 
     def __post_init__(self) -> None:
+        _check_typed("policy", self.policy, self.bits)
+        _check_typed("codec", self.codec, self.bits)
         self._check_bits()
         _check_int("group_size", self.group_size, 16, 2**20)
         if not _is_power_of_two(self.group_size):
@@ -190,84 +360,88 @@ class Config:
         _check_choice("rounding", self.rounding, _ROUNDINGS)
         _check_int("min_numel", self.min_numel, 0, None)
         _check_int("seed", self.seed, 0, 2**63 - 1)
-        _check_choice("codec", self.codec, _CODECS)
         _check_choice("backend", self.backend, _BACKENDS)
         object.__setattr__(self, "budget", parse_size(self.budget, "budget"))
         _check_choice("min_bits", self.min_bits, ALLOWED_BITS)
-        _check_int("replan_every", self.replan_every, 1, None)
         _check_int("page_size", self.page_size, 4096, 64 * 2**20)
         if not _is_power_of_two(self.page_size):
             raise ValueError(f"Config.page_size must be a power of two in [4096, 67108864], got {self.page_size}")
         _check_spill_dir(self.spill_dir)
-        if not isinstance(self.background, bool):
-            raise ValueError(f"Config.background must be True or False, got {self.background!r}")
-        if not isinstance(self.masks, bool):
-            raise ValueError(f"Config.masks must be True or False, got {self.masks!r}")
+        _check_bool("Config.background", self.background)
+        _check_bool("Config.masks", self.masks)
         _check_choice("allocator", self.allocator, _ALLOCATORS)
         if self.version != CONFIG_VERSION:
-            raise ValueError(f"Config.version {self.version} is not supported; this DAF reads version {CONFIG_VERSION}")
+            raise ValueError(f"Config.version {self.version} is not supported; this DAF makes version "
+                             f"{CONFIG_VERSION} (Config.from_dict reads version-1 dicts too)")
 
     def _check_bits(self) -> None:
-        _check_choice("policy", self.policy, _POLICIES)
-        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
-            raise ValueError(f"Config.bits must be a number, got {self.bits!r}")
-        if self.policy == "uniform":
-            if self.bits not in ALLOWED_BITS:
-                raise ValueError(f"Config.bits must be one of {ALLOWED_BITS} with policy='uniform', got {self.bits}")
-            object.__setattr__(self, "bits", int(self.bits))
-        elif not 1 <= self.bits <= 8:
-            raise ValueError(f"Config.bits must be an average in [1, 8] with policy='adaptive', got {self.bits}")
+        """``bits`` is a width; an average belongs to ``Adaptive``, which says so when it is asked for."""
+        bits = self.bits
+        if not (_is_number(bits) and bits in ALLOWED_BITS):
+            hint = ""
+            if _is_number(bits) and 1 <= bits <= 8:
+                hint = f"; for an average of {bits:g} bits per element write policy=daf.Adaptive(average={float(bits)!r})"
+            raise ValueError(f"Config.bits must be one of {ALLOWED_BITS} (the code width of the Uniform policy), "
+                             f"got {bits!r}{hint}")
+        object.__setattr__(self, "bits", int(bits))
+        default = Config.__dataclass_fields__["bits"].default
+        if isinstance(self.policy, Adaptive) and self.bits != default:
+            raise ValueError(f"Config.bits={self.bits} is the width of the Uniform policy and does nothing with "
+                             f"policy=daf.Adaptive(...), whose average is Adaptive.average: write "
+                             f"policy=daf.Adaptive(average={float(self.bits)!r}) and leave bits at {default}")
 
     def replace(self, **overrides: Any) -> "Config":
         """A validated copy with some fields changed; unknown names raise ``ValueError``."""
-        _check_field_names(overrides)
+        _check_field_names(Config, overrides)
         return dataclasses.replace(self, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data with a version, for JSON; ``Config.from_dict`` reads it back."""
-        return dataclasses.asdict(self)
+        """Plain data with a version, for JSON; ``Config.from_dict`` reads it back.
+
+        >>> Config(policy=Adaptive(average=1.5)).to_dict()["policy"]["kind"]
+        'adaptive'
+        """
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in _KINDS:
+            data[name] = _typed_to_dict(name, data[name])
+        return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Config":
+    def from_dict(cls, data: Mapping[str, Any]) -> "Config":
+        """The config ``to_dict`` wrote, of this version or version 1 (migrated); missing fields take
+        their defaults, and so do missing fields of a typed config.
+
+        >>> Config.from_dict({"version": 1, "policy": "adaptive", "bits": 1.5}).policy.average
+        1.5
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"Config.from_dict takes a dict, got {type(data).__name__}")
+        data = dict(data)
+        if data.get("version", CONFIG_VERSION) == 1:
+            data = _migrate_v1(data)
+        for name in _KINDS:
+            if name in data:
+                data[name] = _typed_from_dict(name, data[name])
         return cls().replace(**data)
 
 
-@dataclass(frozen=True)
-class Uniform:
-    """Bit policy: every compressed site gets ``Config.bits``."""
-
-
-@dataclass(frozen=True)
-class Adaptive:
-    """Bit policy: bits per site from measured importance, at a size-weighted ``average`` (docs/policy.md).
-
-    Knobs are those of ``daf.policy.AdaptivePolicy``.
-    """
-
-    average: float = 2.0
-    replan_every: int = 50
-    window: int = 4
-    smoothing: float = 0.7
-    min_gain: float = 0.25
-    allow_raw: bool = True
-
-
-@dataclass(frozen=True)
-class MinMax:
-    """Codec: per-group min/scale codes (format 1)."""
-
-
-@dataclass(frozen=True)
-class Division:
-    """Codec: DIVISION dual precision for convolutional feature maps, MinMax for everything else."""
-
-
-def _check_int(name: str, value: Any, low: int, high: int | None) -> None:
+def _check_int(name: str, value: Any, low: int, high: int | None, owner: str = "Config") -> None:
     allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"Config.{name} must be an integer {allowed}, got {value!r}")
+        raise ValueError(f"{owner}.{name} must be an integer {allowed}, got {value!r}")
     if value < low or (high is not None and value > high):
-        raise ValueError(f"Config.{name} must be an integer {allowed}, got {value}")
+        raise ValueError(f"{owner}.{name} must be an integer {allowed}, got {value}")
+
+
+def _check_number(label: str, value: Any, low: float, high: float, high_open: bool = False) -> None:
+    allowed = f"in [{low}, {high})" if high_open else f"in [{low}, {high}]"
+    if not _is_number(value) or not low <= value <= high or (high_open and value == high):
+        raise ValueError(f"{label} must be a number {allowed}, got {value!r}")
+
+
+def _check_bool(label: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{label} must be True or False, got {value!r}")
 
 
 def _check_spill_dir(path: Any) -> None:

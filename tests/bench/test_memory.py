@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from daf import Config
 from daf.bench import memory, probe
 from daf.bench.memory import ProbeOutcome, bench_workload, run_probe_process
 from daf.bench.methods import Method, methods_for
@@ -30,7 +31,7 @@ class FakeProbes:
 
 
 def test_bench_workload_records_each_method(monkeypatch):
-    methods = [Method("a", allocator="system"), Method("b"), Method("c", daf={"bits": 2})]
+    methods = [Method("a", allocator="system"), Method("b"), Method("c", daf=Config(bits=2))]
     fake = FakeProbes({"a": 100, "b": 500, "c": 8})  # c does not fit at the start (16)
     monkeypatch.setattr(memory, "run_probe_process", fake)
     logged, partials = [], []
@@ -176,7 +177,7 @@ def test_a_failing_probe_reports_its_error():
 
 
 def test_a_probe_that_fits(tmp_path):
-    outcome = run_probe_process("tiny-mnist", Method("DAF 2-bit", daf={"bits": 2}), 8, 2, cap=4 << 30, timeout=120,
+    outcome = run_probe_process("tiny-mnist", Method("DAF 2-bit", daf=Config(bits=2)), 8, 2, cap=4 << 30, timeout=120,
                                 lock=str(tmp_path / "lock"))
     assert outcome.fits and outcome.reason == "" and outcome.batch == 8
     assert 50 * MIB < outcome.peak_rss_bytes <= 4 << 30

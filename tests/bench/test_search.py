@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from daf import Adaptive, Config
 from daf.bench.memory import format_table
 from daf.bench.methods import WORKLOAD_BITS, checkpoint_blocks, methods_for
 from daf.bench.search import SearchResult, largest_fitting
@@ -127,7 +128,7 @@ def test_quick_keeps_three(workload):
     assert [m.name for m in quick] == ["fp32 (system malloc)", "fp32", f"DAF {bits}-bit"]
     assert quick[0].allocator == "system" and quick[0].daf is None
     assert quick[1].allocator == "auto" and quick[1].daf is None
-    assert quick[2].daf == {"bits": bits}
+    assert quick[2].daf == Config(bits=bits)
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOAD_BITS))
@@ -145,20 +146,21 @@ def test_every_method(workload):
     for method in methods:
         assert set(method.to_dict()) == {"name", "daf", "checkpoint", "compile", "allocator", "notes"}
         if method.daf is not None:
-            assert method.daf["bits"] == bits
+            assert method.daf.bits == bits
+            assert method.to_dict()["daf"] == method.daf.to_dict()
 
 
 def test_adaptive_only_below_8_bits():
     assert WORKLOAD_BITS["smollm-lora"] == 8
     assert not any("adaptive" in m.name for m in methods_for("smollm-lora", CAP))
     adaptive = [m for m in methods_for("resnet18-fmnist", CAP) if "adaptive" in m.name]
-    assert len(adaptive) == 1 and adaptive[0].daf == {"policy": "adaptive", "bits": 2.0}
+    assert len(adaptive) == 1 and adaptive[0].daf == Config(policy=Adaptive(average=2.0))
 
 
 @pytest.mark.parametrize("cap", [600 << 20, 3 << 30, 1000])
 def test_budget_method_gets_an_eighth_of_the_cap(cap):
     [budget] = [m for m in methods_for("resnet18-fmnist", cap) if m.name.endswith("budget")]
-    assert budget.daf == {"bits": 2, "budget": cap // 8}
+    assert budget.daf == Config(bits=2, budget=cap // 8)
 
 
 def test_unknown_workload_gets_2_bits():

@@ -23,8 +23,19 @@ TINY = ["-O", "train_size=256", "-O", "eval_size=100", "--batch", "32", "--no-pr
     (["train", "cifar10"], "invalid choice: 'cifar10'"),
     (["train", "tiny-mnist", "--steps", "0"], "must be a positive integer, got '0'"),
     (["train", "tiny-mnist", "--batch", "x"], "must be a positive integer, got 'x'"),
-    (["train", "tiny-mnist", "--bits", "3"], "Config.bits must be one of (1, 2, 4, 8)"),
-    (["train", "tiny-mnist", "--policy", "greedy"], "Config.policy must be one of ('uniform', 'adaptive')"),
+    (["train", "tiny-mnist", "--bits", "3"], "--bits: must be one of 1, 2, 4, 8 (the uniform policy's code width), "
+                                             "got '3'; for an average of 3 bits per element write --policy adaptive "
+                                             "--average 3"),
+    (["train", "tiny-mnist", "--bits", "16"], "--bits: must be one of 1, 2, 4, 8 (the uniform policy's code width), "
+                                              "got '16'\n"),
+    (["train", "tiny-mnist", "--policy", "greedy"], "invalid choice: 'greedy' (choose from 'uniform', 'adaptive')"),
+    (["train", "tiny-mnist", "--average", "1.5"], "--average is the adaptive policy's average bits per element: "
+                                                  "add --policy adaptive"),
+    (["train", "tiny-mnist", "--policy", "uniform", "--average", "1.5"], "add --policy adaptive"),
+    (["train", "tiny-mnist", "--policy", "adaptive", "--bits", "4"], "--bits is the uniform policy's code width; "
+                                                                    "with --policy adaptive give the average"),
+    (["train", "tiny-mnist", "--policy", "adaptive", "--average", "x"], "--average: must be a number of bits"),
+    (["train", "tiny-mnist", "--fp32", "--average", "2"], "--fp32 trains without DAF, so --average cannot apply"),
     (["train", "tiny-mnist", "--budget", "lots"], "Config.budget could not parse 'lots'"),
     (["train", "tiny-mnist", "--fp32", "--bits", "4"], "--fp32 trains without DAF, so --bits cannot apply"),
     (["train", "tiny-mnist", "-O", "width"], "workload options are written KEY=VALUE"),
@@ -42,15 +53,15 @@ def test_argument_errors(argv, message, capsys):
 
 def test_adaptive_policy_trains_and_a_bad_average_is_an_argument_error(tmp_path, capsys):
     path = tmp_path / "run.json"
-    code = main(["train", "tiny-mnist", "--steps", "3", *TINY, "--policy", "adaptive", "--bits", "2.5",
+    code = main(["train", "tiny-mnist", "--steps", "3", *TINY, "--policy", "adaptive", "--average", "2.5",
                  "--json", str(path), "--no-plots"])
     assert code == 0
     config = json.loads(path.read_text())["runs"]["daf"]["config"]
-    assert config["policy"] == "adaptive" and config["bits"] == 2.5
-    capsys.readouterr()
+    assert config["policy"]["kind"] == "adaptive" and config["policy"]["average"] == 2.5 and config["version"] == 2
+    assert "DAF adaptive 2.5-bit avg" in capsys.readouterr().out
     with pytest.raises(SystemExit) as stop:
-        main(["train", "tiny-mnist", "--policy", "adaptive", "--bits", "9"])
-    assert stop.value.code == 2 and "average in [1, 8]" in capsys.readouterr().err
+        main(["train", "tiny-mnist", "--policy", "adaptive", "--average", "9"])
+    assert stop.value.code == 2 and "Adaptive.average must be a number in [1, 8], got 9.0" in capsys.readouterr().err
 
 
 def test_workloads_lists_every_name(capsys):

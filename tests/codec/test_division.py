@@ -27,7 +27,7 @@ def test_low_is_the_block_mean():
 
 
 def _codec(**kw):
-    return codes_codec(daf.Config(codec="division", backend="reference", **kw))
+    return codes_codec(daf.Config(codec=daf.Division(), backend="reference", **kw))
 
 
 def test_round_trip_error_and_bytes():
@@ -52,7 +52,7 @@ def test_other_shapes_fall_back_to_minmax():
 
 def test_native_and_reference_agree():
     x = torch.randn(2, 3, 20, 12)
-    native = codes_codec(daf.Config(codec="division", backend="auto"))
+    native = codes_codec(daf.Config(codec=daf.Division(), backend="auto"))
     reference = _codec()
     a, b = native.encode(x, Spec(2, 3)), reference.encode(x, Spec(2, 3))
     assert torch.equal(a.payload, b.payload) and torch.equal(a.low, b.low)
@@ -69,7 +69,7 @@ def test_reencode_keeps_low_and_lowers_bits():
 
 
 def test_through_the_paged_store_with_demotion_and_spill(tmp_path):
-    config = daf.Config(codec="division", backend="reference", bits=8, budget="120KiB", min_bits=2,
+    config = daf.Config(codec=daf.Division(), backend="reference", bits=8, budget="120KiB", min_bits=2,
                         spill_dir=str(tmp_path))
     codec = codes_codec(config, REFERENCE)
     store = PagedStore(config, codec)
@@ -94,7 +94,7 @@ def test_training_with_division_matches_fp32_roughly():
     torch.manual_seed(0)
     model, x, y = SmallCNN(), torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     reference = gradients(model, x, y)
-    daf.wrap(model, codec="division", bits=8, min_numel=1)
+    daf.wrap(model, codec=daf.Division(), bits=8, min_numel=1)
     assert cosine(reference, gradients(model, x, y)) > 0.999
     assert daf.report(model).sections["codec"]["codec"].startswith("division/")
 
@@ -105,7 +105,7 @@ def test_attention_probabilities_stay_minmax():
     assert not isinstance(codec.encode(p, Spec(2, 0, "softmax")), DivisionPacked)
     assert isinstance(codec.encode(p, Spec(2, 0, "conv2d")), DivisionPacked)
     x = torch.randn(2, 4, 16, 16, requires_grad=True)
-    with daf.compress(codec="division", min_numel=1, backend="reference") as session:
+    with daf.compress(codec=daf.Division(), min_numel=1, backend="reference") as session:
         y = torch.softmax(x, -1) @ x  # softmax saves its 4-D output
     rows = [r for r in daf.report(session).rows if r.kind == "compressed" and "Softmax" in r.source]
     assert [r.stored_bytes for r in rows] == [payload_bytes(2048, 2, 256)]  # no low-frequency part

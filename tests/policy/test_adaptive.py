@@ -41,7 +41,7 @@ def test_rounding_variance_is_exact_for_stochastic_rounding():
 
 def test_plan_meets_the_budget_and_appears_in_the_report():
     torch.manual_seed(0)
-    model = daf.wrap(SmallCNN(), policy="adaptive", bits=1.5, replan_every=2, min_numel=1)
+    model = daf.wrap(SmallCNN(), policy=daf.Adaptive(average=1.5, replan_every=2), min_numel=1)
     _train(model, 4, lambda s: (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))))
     report = daf.report(model)
     section = report.sections["policy"]
@@ -60,7 +60,7 @@ def test_plan_meets_the_budget_and_appears_in_the_report():
 
 def test_sensitive_small_site_gets_more_bits():
     torch.manual_seed(0)
-    model = daf.wrap(Head(), policy="adaptive", bits=2.0, replan_every=3, min_numel=1)
+    model = daf.wrap(Head(), policy=daf.Adaptive(average=2.0, replan_every=3), min_numel=1)
     _train(model, 4, lambda s: (torch.randn(64, 64), torch.randint(0, 10, (64,))))
     plan = daf.report(model).sections["policy"]["plan"]
     head = next(s for s in plan if s.startswith("head#"))
@@ -73,7 +73,7 @@ def test_adaptive_gradient_error_not_worse_than_uniform_on_a_skewed_model():
     x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
     base = Head()
     errors = {}
-    for name, kw in {"uniform": dict(bits=2), "adaptive": dict(policy="adaptive", bits=2.0, replan_every=2)}.items():
+    for name, kw in {"uniform": dict(bits=2), "adaptive": dict(policy=daf.Adaptive(average=2.0, replan_every=2))}.items():
         model = Head()
         model.load_state_dict(base.state_dict())
         daf.wrap(model, min_numel=1, **kw)
@@ -98,7 +98,7 @@ def test_adaptive_gradient_error_not_worse_than_uniform_on_a_skewed_model():
 
 def test_importance_follows_the_plan_slopes():
     torch.manual_seed(0)
-    model = daf.wrap(Head(), policy="adaptive", bits=2.0, replan_every=2, min_numel=1)
+    model = daf.wrap(Head(), policy=daf.Adaptive(average=2.0, replan_every=2), min_numel=1)
     _train(model, 3, lambda s: (torch.randn(64, 64), torch.randint(0, 10, (64,))))
     policy = daf.session_of(model).policy
     plan = policy.plan.bits
@@ -111,13 +111,21 @@ def test_importance_follows_the_plan_slopes():
 def test_default_bits_before_a_plan_and_errors():
     assert AdaptivePolicy(1.5).default_bits == 2 and AdaptivePolicy(2.0).default_bits == 2
     assert AdaptivePolicy(3.5).default_bits == 4 and AdaptivePolicy(1.2).default_bits == 1
-    assert isinstance(make_policy(daf.Config(policy="adaptive", bits=2.5)), AdaptivePolicy)
-    with pytest.raises(ValueError, match="average"):
+    with pytest.raises(ValueError, match="Adaptive.average"):
         AdaptivePolicy(0.5)
-    with pytest.raises(ValueError, match="replan_every"):
+    with pytest.raises(ValueError, match="Adaptive.replan_every"):
         AdaptivePolicy(2.0, replan_every=0)
-    with pytest.raises(ValueError, match="Config.bits"):
-        daf.Config(policy="adaptive", bits=9)
+    with pytest.raises(ValueError, match="Adaptive.average"):
+        daf.Adaptive(average=9)
+
+
+def test_the_policy_is_built_from_every_adaptive_knob():
+    knobs = daf.Adaptive(average=2.5, replan_every=7, window=3, smoothing=0.5, min_gain=0.1, allow_raw=False)
+    policy = make_policy(daf.Config(policy=knobs, group_size=128))
+    assert isinstance(policy, AdaptivePolicy)
+    assert (policy.average, policy.replan_every, policy.window, policy.min_gain, policy.allow_raw) == (2.5, 7, 3, 0.1,
+                                                                                                       False)
+    assert policy.estimator.smoothing == 0.5 and policy.group_size == 128
 
 
 def test_nonzeros_only_site_is_costed_over_the_whole_activation():

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daf.policy.allocator import RAW_BITS, Site, allocate, brute_force, variance_costs
+from daf.policy.allocator import RAW_BITS, Site, allocate, variance_costs
+from tests.policy.oracle import brute_force
 
 CHOICES = (1, 2, 4, 8)
 

@@ -46,7 +46,8 @@ needs_fused = pytest.mark.skipif(not _fused_attention_saves_inputs(),
 
 @needs_fused
 @pytest.mark.parametrize("masks", [True, False])
-@pytest.mark.parametrize("policy,bits", [("uniform", 2), ("uniform", 1), ("adaptive", 2.0)])
+@pytest.mark.parametrize("policy,bits", [(daf.Uniform(), 2), (daf.Uniform(), 1), (daf.Adaptive(average=2.0), 2)],
+                         ids=["uniform-2", "uniform-1", "adaptive-2.0"])
 def test_fused_attention_saves_keep_eight_bits(policy, bits, masks):
     torch.manual_seed(0)
     model, x = Attention(), torch.randn(4, 64, 64)

@@ -71,8 +71,8 @@ def _cnn_grads(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     dict(bits=8),
     dict(bits=8, masks=False),
     dict(bits=8, background=True),
-    dict(bits=8, codec="division"),
-    dict(policy="adaptive", bits=8.0, replan_every=1),
+    dict(bits=8, codec=daf.Division()),
+    dict(policy=daf.Adaptive(average=8.0, replan_every=1)),
 ], ids=["uniform", "no-masks", "background", "division", "adaptive"])
 def test_cuda_gradients_close_to_fp32(name, settings):
     model, x, grads = _pair(name)
@@ -90,7 +90,7 @@ def test_cuda_gradients_close_to_fp32(name, settings):
 def test_cuda_adaptive_two_bits_trains_and_plans():
     model, x, grads = _pair("cnn")
     reference = grads(model, x)
-    daf.wrap(model, min_numel=1, policy="adaptive", bits=2.0, replan_every=1)
+    daf.wrap(model, min_numel=1, policy=daf.Adaptive(average=2.0, replan_every=1))
     for _ in range(4):
         got = grads(model, x)
     assert torch.isfinite(got).all()

@@ -69,7 +69,8 @@ def test_nan_in_a_relu_output_passes_the_gradient_like_plain_autograd(policy, mo
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
     reference = _input_and_parameter_grads(_relu_net_with_a_nan_unit(), x)
     assert float(reference[4][5]) != 0.0  # the NaN unit's bias gets a gradient in plain autograd
-    model = daf.wrap(_relu_net_with_a_nan_unit(), bits=8, min_numel=1, policy=policy)
+    settings = dict(bits=8) if policy == "uniform" else dict(policy=daf.Adaptive(average=8.0))
+    model = daf.wrap(_relu_net_with_a_nan_unit(), min_numel=1, **settings)
     routes = []
 
     def spy(tensor, context):

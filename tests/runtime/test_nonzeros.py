@@ -4,6 +4,8 @@ The adaptive policy takes this path (``Policy.codes_nonzeros_only``); the unifor
 every element. Each test fails if the scatter, the mask check or the budget is patched out.
 """
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,8 +14,7 @@ from torch import nn
 import daf
 from daf.config import Config
 from daf.memory.store import HeapStore
-from daf.policy import AdaptivePolicy, Plan
-from daf.policy.uniform import UniformPolicy
+from daf.policy import AdaptivePolicy, Plan, Policy, UniformPolicy, register_policy
 from daf.runtime.session import Session
 
 
@@ -27,10 +28,20 @@ class ConvReluConv(nn.Module):
         return self.conv2(self.relu(self.conv1(x)))
 
 
-class NonzerosAt(UniformPolicy):
-    """Uniform bits, but for the nonzeros of ReLU outputs only (what the adaptive policy does)."""
+@dataclass(frozen=True)
+class NonzerosAt:
+    """Policy config: uniform ``bits``, but for the nonzeros of ReLU outputs only (what the adaptive policy does)."""
 
+    bits: int = 8
+
+
+class NonzerosAtPolicy(UniformPolicy):
     codes_nonzeros_only = True
+
+
+@register_policy(NonzerosAt, kind="nonzeros-at-test")
+def _nonzeros_at(config: Config) -> Policy:
+    return NonzerosAtPolicy(config.policy.bits)
 
 
 def _grads(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -39,14 +50,12 @@ def _grads(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def _wrapped(policy, inplace: bool = False, **config) -> tuple[nn.Module, nn.Module]:
+def _wrapped(inplace: bool = False, **config) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     plain = ConvReluConv(inplace)
     model = ConvReluConv(inplace)
     model.load_state_dict(plain.state_dict())
     daf.wrap(model, Config(min_numel=1, **config))
-    session = daf.session_of(model)
-    session.policy, session.store = policy, HeapStore()
     return plain, model
 
 
@@ -56,7 +65,7 @@ def _conv2_row(model: nn.Module):
 
 @pytest.mark.parametrize("inplace", [False, True])
 def test_stores_only_the_nonzeros_and_restores_the_zeros_exactly(inplace):
-    plain, model = _wrapped(NonzerosAt(8), inplace)
+    plain, model = _wrapped(inplace, policy=NonzerosAt(8))
     x = torch.randn(4, 3, 16, 16)
     h = F.relu(plain.conv1(x))
     nonzeros = int((h > 0).sum())
@@ -69,7 +78,6 @@ def test_stores_only_the_nonzeros_and_restores_the_zeros_exactly(inplace):
 
 
 def test_unpacked_tensor_is_zero_where_relu_was_and_close_elsewhere():
-    session = Session(Config(min_numel=1), policy=NonzerosAt(8), store=HeapStore())
     model = ConvReluConv()
     x = torch.randn(2, 3, 8, 8)
     seen = {}
@@ -78,10 +86,8 @@ def test_unpacked_tensor_is_zero_where_relu_was_and_close_elsewhere():
         seen["h"] = inputs[0]
 
     model.conv2.register_forward_hook(grab)
-    with session.hooks():
-        session.begin_forward(model)
+    with daf.compress(model, policy=NonzerosAt(8), min_numel=1):
         out = model(x)
-        session.end_forward()
     h = seen["h"].detach()
     restored = out.grad_fn._saved_input  # conv2's saved input, through the session's unpack
     assert torch.equal(restored == 0, h == 0)
@@ -90,14 +96,14 @@ def test_unpacked_tensor_is_zero_where_relu_was_and_close_elsewhere():
 
 
 def test_uniform_policy_stores_every_element():
-    plain, model = _wrapped(UniformPolicy(8))
+    plain, model = _wrapped(bits=8)
     x = torch.randn(4, 3, 16, 16)
     _grads(model, x)
     assert _conv2_row(model).stored_bytes == -(-4 * 8 * 16 * 16 // 256) * (4 + 256)
 
 
 def test_nan_in_a_relu_output_keeps_it_whole():
-    plain, model = _wrapped(NonzerosAt(8))
+    plain, model = _wrapped(policy=NonzerosAt(8))
     x = torch.randn(4, 3, 16, 16)
     x[0, :, 5, 5] = float("nan")  # conv1's output is NaN around it, ReLU keeps NaN: not where the mask says
     _grads(model, x)
@@ -106,7 +112,8 @@ def test_nan_in_a_relu_output_keeps_it_whole():
 
 
 def test_a_mask_that_disagrees_with_the_record_is_refused():
-    session = Session(Config(min_numel=1), policy=NonzerosAt(8), store=HeapStore())
+    # white-box: a heap store, whose records this test corrupts in place
+    session = Session(Config(min_numel=1, policy=NonzerosAt(8)), store=HeapStore())
     model = ConvReluConv()
     with session.hooks():
         session.begin_forward(model)
@@ -121,7 +128,7 @@ def test_a_mask_that_disagrees_with_the_record_is_refused():
 
 
 def test_background_packing_takes_the_same_path():
-    plain, model = _wrapped(NonzerosAt(8), background=True)
+    plain, model = _wrapped(policy=NonzerosAt(8), background=True)
     x = torch.randn(4, 3, 16, 16)
     error = (_grads(model, x) - _grads(plain, x)).norm() / _grads(plain, x).norm()
     assert error < 0.02

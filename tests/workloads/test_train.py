@@ -2,6 +2,7 @@
 
 import pytest
 
+import daf
 from daf.cli.record import RUN_KEYS
 from daf.workloads.train import RunSettings, run_training
 
@@ -11,7 +12,7 @@ TINY = {"train_size": 256, "eval_size": 100}
 @pytest.fixture(scope="module")
 def arms():
     fp32 = run_training(RunSettings("tiny-mnist", dict(TINY), steps=4, batch=32, progress=False))
-    compressed = run_training(RunSettings("tiny-mnist", dict(TINY), steps=4, batch=32, daf={"bits": 2},
+    compressed = run_training(RunSettings("tiny-mnist", dict(TINY), steps=4, batch=32, daf=daf.Config(bits=2),
                                           progress=False))
     return fp32, compressed
 
@@ -31,6 +32,7 @@ def test_same_weights_and_batches_in_both_arms(arms):
     assert fp32["init_digest"] == compressed["init_digest"]
     assert fp32["data_digest"] == compressed["data_digest"]
     assert fp32["config"] is None and compressed["config"]["bits"] == 2
+    assert daf.Config.from_dict(compressed["config"]) == daf.Config(bits=2)  # the allocator was "auto" already
 
 
 def test_activation_bytes(arms):

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from daf.config import Adaptive, Config
+
 __all__ = ["Method", "methods_for", "checkpoint_blocks", "WORKLOAD_BITS"]
 
 # The bits that keep each workload's result (docs/results.md): SmolLM2 needs 8.
@@ -16,12 +18,13 @@ WORKLOAD_BITS = {"resnet18-fmnist": 2, "minilm-tweets": 2, "smollm-lora": 8, "ti
 
 @dataclass(frozen=True)
 class Method:
-    """One way to train: DAF's config overrides (None: no DAF), per-block recomputation,
-    ``torch.compile`` with a recomputation budget, and the allocator ("system": as a plain
-    PyTorch user runs; "auto": DAF's, installed in-process before anything is allocated)."""
+    """One way to train: DAF's config (None: no DAF; its allocator is replaced by ``allocator``),
+    per-block recomputation, ``torch.compile`` with a recomputation budget, and the allocator
+    ("system": as a plain PyTorch user runs; "auto": DAF's, installed in-process before anything
+    is allocated)."""
 
     name: str
-    daf: dict[str, Any] | None = None
+    daf: Config | None = None
     checkpoint: bool = False
     compile: bool = False
     allocator: str = "auto"
@@ -29,14 +32,15 @@ class Method:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "daf": self.daf, "checkpoint": self.checkpoint, "compile": self.compile,
+        daf = None if self.daf is None else self.daf.to_dict()
+        return {"name": self.name, "daf": daf, "checkpoint": self.checkpoint, "compile": self.compile,
                 "allocator": self.allocator, "notes": self.notes}
 
 
 def methods_for(workload: str, cap_bytes: int, quick: bool = False) -> list[Method]:
     """Every method, with the workload's bits; ``quick`` keeps three."""
     bits = WORKLOAD_BITS.get(workload, 2)
-    uniform = {"bits": bits}
+    uniform = Config(bits=bits)
     listed = [
         Method("fp32 (system malloc)", allocator="system", notes="plain PyTorch, as a user runs it"),
         Method("fp32", notes="plain PyTorch on DAF's allocator"),
@@ -44,9 +48,9 @@ def methods_for(workload: str, cap_bytes: int, quick: bool = False) -> list[Meth
         Method("compile budget 0.5", compile=True,
                notes="torch.compile, torch._functorch.config.activation_memory_budget = 0.5"),
         Method(f"DAF {bits}-bit", daf=uniform),
-        Method(f"DAF adaptive {bits:.1f}", daf={"policy": "adaptive", "bits": float(bits)}),
+        Method(f"DAF adaptive {bits:.1f}", daf=Config(policy=Adaptive(average=float(bits)))),
         Method(f"DAF {bits}-bit + checkpoint", daf=uniform, checkpoint=True),
-        Method(f"DAF {bits}-bit budget", daf={**uniform, "budget": cap_bytes // 8},
+        Method(f"DAF {bits}-bit budget", daf=uniform.replace(budget=cap_bytes // 8),
                notes=f"stored activations capped at 1/8 of the RAM cap ({cap_bytes // 8 >> 20} MiB); the rest spills"),
     ]
     if bits == 8:  # an adaptive average of 8 is uniform 8

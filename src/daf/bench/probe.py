@@ -37,7 +37,7 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
     model = workload.build_model()
     blocks = checkpoint_blocks(model) if method["checkpoint"] else 0
     if method["daf"] is not None:
-        daf.wrap(model, allocator=method["allocator"], **method["daf"])
+        daf.wrap(model, daf.Config.from_dict(method["daf"]), allocator=method["allocator"])
     if method["compile"]:
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = 0.5

@@ -3,7 +3,8 @@
     daf workloads
     daf run [--allocator NAME] -- COMMAND ...      (a whole process on tcmalloc: docs/allocator.md)
     daf bench memory [--workloads W,...] [--cap 3GiB] [--quick]   (docs/benchmarks.md)
-    daf train WORKLOAD [--bits 2] [--policy uniform] [--budget 512MiB] [--steps N] [--batch B] [--fp32]
+    daf train WORKLOAD [--bits 2 | --policy adaptive [--average 2.0]] [--budget 512MiB] [--steps N] [--batch B]
+              [--fp32]
     daf compare WORKLOAD [--bits 2] [--steps N] [--batch B] [--json FILE] [--out DIR]
 
 ``compare`` runs fp32 then DAF, each in its own process, with the same seed, initial weights and
@@ -22,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
+from daf.config import ALLOWED_BITS, Adaptive, Config
 
 __all__ = ["main", "entry", "build_parser"]
 
-_DAF_FLAGS = ("bits", "policy", "budget", "group_size", "backend")
+_DAF_FLAGS = ("bits", "policy", "average", "budget", "group_size", "backend")
 EXIT_INTERRUPTED = 130
 
 
@@ -47,6 +49,27 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
     return value
+
+
+def _width(text: str) -> int:
+    """``--bits``: the uniform policy's code width; an average is the adaptive policy's, and says so."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and value in ALLOWED_BITS:
+        return int(value)
+    hint = ""
+    if value is not None and 1 <= value <= 8:
+        hint = f"; for an average of {value:g} bits per element write --policy adaptive --average {value:g}"
+    raise argparse.ArgumentTypeError(f"must be one of 1, 2, 4, 8 (the uniform policy's code width), got {text!r}{hint}")
+
+
+def _average(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of bits per element in [1, 8], got {text!r}") from None
 
 
 def _option(text: str) -> tuple[str, Any]:
@@ -74,8 +97,12 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     run.add_argument("--trace-step", type=_non_negative_int, default=2,
                      help="the step whose activation bytes and memory timeline are recorded (2)")
     compress = parser.add_argument_group("DAF (passed to daf.Config)")
-    compress.add_argument("--bits", type=float, help="bits per element: 1, 2, 4, 8; an average with --policy adaptive (2)")
-    compress.add_argument("--policy", help="bit policy: uniform (default) or adaptive")
+    compress.add_argument("--bits", type=_width, help="code width of the uniform policy: 1, 2, 4 or 8 (2)")
+    compress.add_argument("--policy", choices=("uniform", "adaptive"),
+                          help="bit policy: uniform (--bits everywhere; default) or adaptive (bits per site from "
+                               "importance, at --average bits per element)")
+    compress.add_argument("--average", type=_average,
+                          help="the adaptive policy's average bits per element, in [1, 8] (2.0)")
     compress.add_argument("--budget", help="memory budget of stored activations, e.g. 512MiB")
     compress.add_argument("--group-size", type=int, dest="group_size", help="elements per min/scale group (256)")
     compress.add_argument("--backend", help="auto, native or reference")
@@ -110,9 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Workload options and DAF overrides (None for fp32), validated before anything is trained."""
-    import daf
+def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict[str, Any], Config | None]:
+    """Workload options and the DAF config (None for fp32), validated before anything is trained."""
     from daf.workloads import get_workload
     options = dict(args.option)
     if "seed" in options:
@@ -128,12 +154,26 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             parser.error(f"--fp32 trains without DAF, so {flags} cannot apply; drop --fp32 to train with DAF")
         return options, None
-    overrides = {"bits": 2, **given}
     try:
-        daf.Config(**overrides)
+        return options, Config(**_config_fields(parser, given))
     except ValueError as error:
         parser.error(str(error))
-    return options, overrides
+
+
+def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> dict[str, Any]:
+    """``daf.Config``'s keywords from the DAF flags given: --policy and --average become the typed policy."""
+    fields = dict(given)
+    adaptive = fields.pop("policy", "uniform") == "adaptive"
+    average = fields.pop("average", None)
+    if adaptive and "bits" in fields:
+        parser.error("--bits is the uniform policy's code width; with --policy adaptive give the average "
+                     "bits per element with --average")
+    if not adaptive and average is not None:
+        parser.error("--average is the adaptive policy's average bits per element: add --policy adaptive "
+                     "(the uniform policy's width is --bits)")
+    if adaptive:
+        fields["policy"] = Adaptive() if average is None else Adaptive(average=average)
+    return fields
 
 
 def _train_argv(args: argparse.Namespace, fp32: bool) -> list[str]:
@@ -203,12 +243,12 @@ def _run_on_the_whole_process_allocator(argv: list[str], allocator: str) -> None
     os.execve(sys.executable, [sys.executable, "-m", "daf.cli", *argv], {**os.environ, **extra, _WHOLE_PROCESS: "1"})
 
 
-def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], overrides: dict[str, Any] | None,
+def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], config: Config | None,
            whole_process: bool = False) -> int:
     if whole_process:
         _run_on_the_whole_process_allocator(argv, args.allocator)
     from daf.workloads.train import RunSettings, run_training
-    settings = RunSettings(args.workload, options, args.steps, args.batch, overrides, args.trace_step,
+    settings = RunSettings(args.workload, options, args.steps, args.batch, config, args.trace_step,
                            progress=not args.no_progress, allocator=args.allocator)
     try:
         record = run_training(settings)
@@ -265,10 +305,10 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
     if args.command == "bench":
         from daf.bench import memory
         return memory.run(args, " ".join(["daf", *argv]))
-    options, overrides = _resolve(parser, args)
+    options, config = _resolve(parser, args)
     try:
         if args.command == "train":
-            return _train(args, argv, options, overrides, whole_process)
+            return _train(args, argv, options, config, whole_process)
         return _compare(args, argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

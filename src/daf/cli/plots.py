@@ -31,8 +31,8 @@ def _smooth(values: list[float]) -> list[float]:
 def _label(run: dict[str, Any]) -> str:
     if run["arm"] == "fp32":
         return "fp32"
-    config = run.get("config") or {}
-    return f"DAF {config.get('bits', '?'):g}-bit {config.get('policy', '')}".strip()
+    from daf.cli.table import config_label
+    return config_label(run.get("config") or {})
 
 
 def plot_losses(runs: list[dict[str, Any]], path: Path, title: str) -> Path:

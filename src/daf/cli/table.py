@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["format_table", "headline"]
+__all__ = ["format_table", "headline", "config_label"]
 
 _MIB = 2**20
 
@@ -51,13 +51,34 @@ def _allocator_label(run: dict[str, Any]) -> str:
 
 def _daf_label(run: dict[str, Any]) -> str:
     config = run.get("config") or {}
-    bits = config.get("bits")
-    label = f"DAF {bits:g}-bit" if isinstance(bits, (int, float)) else "DAF"
-    if config.get("policy", "uniform") != "uniform":
-        label += f" {config['policy']}"
+    label = config_label(config)
     if config.get("budget"):
         label += f" budget {config['budget'] / _MIB:g}MiB"
     return label
+
+
+def config_label(config: dict[str, Any]) -> str:
+    """"DAF 2-bit", "DAF adaptive 1.5-bit avg", "DAF 4-bit division", ... from a record's config: a
+    ``Config.to_dict`` of version 2 (typed ``{"kind": ...}`` policy and codec) or 1 (strings, the
+    adaptive average in ``bits``), so that old records still read.
+
+    >>> config_label({"bits": 2, "policy": {"kind": "uniform"}, "codec": {"kind": "minmax"}, "version": 2})
+    'DAF 2-bit'
+    >>> config_label({"bits": 1.5, "policy": "adaptive", "codec": "division", "version": 1})
+    'DAF adaptive 1.5-bit avg division'
+    """
+    policy, codec = config.get("policy", "uniform"), config.get("codec", "minmax")
+    kind = policy.get("kind") if isinstance(policy, dict) else policy
+    if kind == "adaptive":
+        average = policy.get("average") if isinstance(policy, dict) else config.get("bits")
+        label = f"DAF adaptive {average:g}-bit avg" if isinstance(average, (int, float)) else "DAF adaptive"
+    else:
+        bits = config.get("bits")
+        label = f"DAF {bits:g}-bit" if isinstance(bits, (int, float)) else "DAF"
+        if kind not in ("uniform", None):
+            label += f" {kind}"
+    codec_kind = codec.get("kind") if isinstance(codec, dict) else codec
+    return label if codec_kind in ("minmax", None) else f"{label} {codec_kind}"
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:

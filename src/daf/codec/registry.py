@@ -18,7 +18,7 @@ from daf.codec.division import DivisionCodec, DivisionPacked
 from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec
 from daf.codec.minmax import MinMaxCodec
 from daf.codec.spec import Codec, Spec
-from daf.config import Config, Division, MinMax
+from daf.config import Config, Division, MinMax, register_config_type
 from daf.format import Packed
 
 __all__ = ["Codecs", "register_codes_codec", "codes_codec"]
@@ -29,6 +29,7 @@ _CODES_CODECS: dict[type, Callable[[Any, MinMaxCodec], Any]] = {}
 def register_codes_codec(config_type: type) -> Callable:
     """Decorator: ``factory(codec_config, minmax) -> codec`` builds the codes codec for ``config_type``."""
     def register(factory: Callable[[Any, MinMaxCodec], Any]) -> Callable[[Any, MinMaxCodec], Any]:
+        register_config_type("codec", config_type)
         _CODES_CODECS[config_type] = factory
         return factory
     return register
@@ -48,8 +49,6 @@ def codes_codec(config: Config, backend: Backend | None = None) -> Any:
     """The codes codec ``config.codec`` asks for, on ``backend`` (``select_backend(config.backend)``)."""
     minmax = MinMaxCodec(config, backend if backend is not None else select_backend(config.backend))
     choice = config.codec
-    if isinstance(choice, str):  # merge shim: Config.codec is typed on the config branch
-        choice = {"minmax": MinMax(), "division": Division()}[choice]
     factory = _CODES_CODECS.get(type(choice))
     if factory is None:
         known = ", ".join(t.__name__ for t in _CODES_CODECS)

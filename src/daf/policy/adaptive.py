@@ -14,7 +14,7 @@ site, so a smaller predicted gain is not worth the bet (ResNet-18 with ReLU mask
 the per-site optimum measured by leave-one-in runs is only 0.7% better than uniform 2).
 
 Budget: over the sites the plan covers (the tensors quantized by the codec), the
-size-weighted mean of the bits is at most ``Config.bits``, sizes counted in whole
+size-weighted mean of the bits is at most ``Adaptive.average``, sizes counted in whole
 groups (what the payload holds). A site may be kept raw: it then counts at its
 dtype's bits (32 for float32), honestly, and only where it fits the budget. A ReLU
 output saved by a later op stores codes for its nonzeros only (``codes_nonzeros_only``;
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from daf.config import ALLOWED_BITS
+from daf.config import ALLOWED_BITS, Adaptive
 from daf.policy.allocator import RAW_BITS, Plan, Site, allocate
 from daf.policy.importance import ImportanceEstimator
 from daf.policy.uniform import Policy
@@ -50,12 +50,9 @@ class AdaptivePolicy(Policy):
     def __init__(self, average: float, group_size: int = 256, replan_every: int = 50,
                  choices: tuple[int, ...] = ALLOWED_BITS, allow_raw: bool = True, window: int = 4,
                  smoothing: float = 0.7, min_gain: float = 0.25) -> None:
-        if not 1 <= average <= 8:
-            raise ValueError(f"average must be in [1, 8] bits, got {average}")
-        if replan_every < 1:
-            raise ValueError(f"replan_every must be >= 1, got {replan_every}")
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        # the knobs are those of daf.Adaptive, checked there: one set of rules and messages
+        Adaptive(average=average, replan_every=replan_every, window=window, smoothing=smoothing,
+                 min_gain=min_gain, allow_raw=allow_raw)
         self.average = float(average)
         self.group_size = group_size
         self.replan_every = replan_every

@@ -37,7 +37,7 @@ from functools import reduce
 
 import numpy as np
 
-__all__ = ["Site", "Plan", "allocate", "variance_costs", "brute_force", "RAW_BITS", "DEFAULT_CHOICES"]
+__all__ = ["Site", "Plan", "allocate", "variance_costs", "RAW_BITS", "DEFAULT_CHOICES"]
 
 RAW_BITS = 32  # what a site kept raw counts for in the budget (float32; the honest upper bound)
 DEFAULT_CHOICES = (1, 2, 4, 8)
@@ -199,26 +199,3 @@ def _plan(sites: list[Site], chosen: list[int], average: float, exact: bool, uni
     cost = sum(s.costs[b] for s, b in zip(sites, chosen))
     return Plan({s.name: b for s, b in zip(sites, chosen)}, cost, used / total, float(average), exact, unit,
                 {s.name: s.size for s in sites})
-
-
-def brute_force(sites: list[Site], average: float) -> Plan:
-    """The optimum by trying every combination: the reference ``allocate`` is tested against.
-
-    O(k**n) time: for a handful of sites only. Ties go to the first combination in
-    lexicographic order of the sorted choices.
-    """
-    _check_average(average)
-    import itertools
-
-    total = sum(s.elements for s in sites)
-    capacity = _capacity(average, total)
-    best: tuple[float, list[int]] | None = None
-    for combo in itertools.product(*[sorted(s.costs) for s in sites]):
-        if sum(s.size * b for s, b in zip(sites, combo)) > capacity:
-            continue
-        cost = sum(s.costs[b] for s, b in zip(sites, combo))
-        if best is None or cost < best[0]:
-            best = (cost, list(combo))
-    if best is None:
-        raise ValueError(f"average {average} bits is below what the cheapest choices need")
-    return _plan(sites, best[1], average, True, 1)

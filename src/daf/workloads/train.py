@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from daf.allocator.native import install as install_allocator
+from daf.config import Config
 from daf.workloads import get_workload
 from daf.workloads.base import Workload
 from daf.workloads.measure import PeakRSS, SavedBytes, StepTimeline
@@ -32,7 +33,8 @@ _WARMUP_STEPS = 2
 
 @dataclass
 class RunSettings:
-    """One arm: the workload and its options, the length of the run, and the DAF config (None: fp32).
+    """One arm: the workload and its options, the length of the run, and the DAF config (None: fp32;
+    its allocator is replaced by ``allocator``, which the fp32 arm uses too).
 
     ``steps``/``batch`` of None take the workload's defaults; ``trace_step`` is the step whose
     activation bytes and memory timeline are recorded (the last step if the run is shorter).
@@ -42,7 +44,7 @@ class RunSettings:
     options: dict[str, Any] = field(default_factory=dict)
     steps: int | None = None
     batch: int | None = None
-    daf: dict[str, Any] | None = None
+    daf: Config | None = None
     trace_step: int = 2
     progress: bool = True
     allocator: str = "auto"
@@ -81,9 +83,9 @@ def _progress(total: int, description: str, enabled: bool) -> Any:
                 mininterval=0.5 if interactive else 15.0, file=sys.stderr)
 
 
-def _wrap(model: nn.Module, overrides: dict[str, Any], allocator: str) -> dict[str, Any]:
+def _wrap(model: nn.Module, config: Config, allocator: str) -> dict[str, Any]:
     import daf
-    config = daf.Config(**{"allocator": allocator, **overrides})
+    config = config.replace(allocator=allocator)
     daf.wrap(model, config)
     return config.to_dict()
 
