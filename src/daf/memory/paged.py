@@ -362,13 +362,14 @@ class PagedStore:
     def _schedule_prefetch(self) -> None:
         """Start reading spilled records back, next needed first, while they fit in the budget; then the
         next record backward will ask for if it went straight to disk."""
-        while len(self._spilled):
+        while len(self._spilled) and self._worker is not None:
             record = self._spilled.least()
             if self._used + self._cost(record.nbytes) > self.budget:
                 break
             self._spilled.remove(record)
             self._start_read(record, into_pool=True)
-        self._read_back_direct()
+        if self._worker is not None:
+            self._read_back_direct()
 
     def _read_back_direct(self) -> None:
         """Start reading the next record backward needs if it went straight to disk: into the pool if it
@@ -393,8 +394,23 @@ class PagedStore:
             self._staged_bytes += record.nbytes
             self.counters["staged_reads"] += 1
             segments = [record.staged]
-        record.loading = self._worker.submit(self._load, record, segments)
+        try:
+            record.loading = self._worker.submit(self._load, record, segments)
+        except RuntimeError:  # the interpreter is exiting (releases from garbage collection): no more threads
+            self._worker = None  # from now on a get reads the file itself
+            self._cancel_read(record)
+            return
         self.counters["prefetches"] += 1
+
+    def _cancel_read(self, record: _Record) -> None:
+        """Undo ``_start_read`` for a read the worker never got: the record is spilled as before."""
+        if record.pages is not None:
+            self._loading -= len(record.pages) * self.page_size
+        else:
+            self.counters["staged_reads"] -= 1
+        self._drop_copy(record)
+        if not record.direct:
+            self._spilled.add(record)
 
     def _load(self, record: _Record, segments: list[torch.Tensor]) -> None:
         """Worker thread: read one spilled record into the pages or the buffer reserved for it."""

@@ -159,11 +159,11 @@ class SpillStore:
         return out
 
     def remove(self, handle: SpillHandle) -> None:
-        """Delete the record's file. O(1)."""
+        """Delete the record's file (once per handle; one already gone counts as deleted). O(1)."""
         try:
             os.unlink(handle.path)
         except FileNotFoundError:
-            return
+            pass
         self.bytes_on_disk -= handle.nbytes
         self.files -= 1
 
