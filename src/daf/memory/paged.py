@@ -16,6 +16,11 @@ The budget counts pages in use (whole pages) plus the exception side tables, whi
 stay in ordinary memory beside their records. Decoding and demotion need transient
 memory for one decoded activation outside the budget, like any ``get``; so does the
 payload of a record larger than the budget once it is read back (``staged_bytes``).
+
+``close`` stops the worker and refuses further puts; what was put stays readable until released
+(backward may run after the model is unwrapped), and the pools and the spill directory go with the
+last release. Demotion goes through the ``reencode`` callable the store is given, so the memory layer
+does not depend on the codec.
 """
 
 from __future__ import annotations

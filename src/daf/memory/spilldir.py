@@ -116,8 +116,9 @@ def _running(pid: int, started: int | None) -> bool:
     return started is None or now is None or now == started
 
 
-def is_stale(path: str) -> bool:
-    """Whether ``path`` is a DAF spill directory of a process that no longer runs (module docstring)."""
+def is_stale(path: str, here: dict[str, Any] | None = None) -> bool:
+    """Whether ``path`` is a DAF spill directory of a process that no longer runs (module docstring);
+    ``here`` is this process's ``_identity``, when the caller has it already."""
     name = os.path.basename(path)
     if not name.startswith(PREFIX):
         return False
@@ -134,7 +135,7 @@ def is_stale(path: str) -> bool:
         return False
     if not isinstance(pid, int) or marker.get("daf") != "spill" or not name.startswith(f"{PREFIX}{pid}-"):
         return False
-    here = _identity(os.getpid())
+    here = here or _identity(os.getpid())
     if any(marker.get(key) != here[key] for key in ("boot", "pidns", "host")):
         return False
     return pid != os.getpid() and not _running(pid, marker.get("start"))
@@ -148,8 +149,9 @@ def sweep_stale(parent: str) -> list[str]:
         entries = [entry.path for entry in os.scandir(parent) if entry.name.startswith(PREFIX)]
     except OSError:
         return removed
+    here = _identity(os.getpid())
     for path in entries:
-        if is_stale(path):
+        if is_stale(path, here):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
