@@ -95,6 +95,8 @@ def test_a_failed_read_names_the_site_and_file_and_the_step_leaks_nothing(tmp_pa
         with pytest.raises(SpillError, match=rf"DAF.*'block5#{step}'.*{expected}") as caught:
             _backward(graph)
         assert str(tmp_path) in str(caught.value)
+        _wait_for_reads(store)
+        store._check()
         assert all(r.failure is None or isinstance(r.failure, str) for r in store._records.values())
         gone = weakref.ref(graph)
         del graph, caught

@@ -248,6 +248,7 @@ class PagedStore:
                 payload = self._spill.read(record.spilled, record.site, record.device)
             except SpillError as error:
                 record.failure = str(error)
+                self._spilled.discard(record)  # the worker must not try it again
                 raise SpillError(record.failure) from None
             self.seconds["spill_wait_seconds"] += time.perf_counter() - started
         return dataclasses.replace(record.header, payload=payload)

@@ -160,11 +160,12 @@ def sweep_stale(parent: str) -> list[str]:
 def install_sigterm_cleanup() -> bool:
     """Make SIGTERM remove this process's spill directories before it terminates; whether it is installed.
 
-    Installed once (the check is the handler itself: no flag to keep), from the main thread only (Python runs signal handlers there), and only over the
-    default disposition, where SIGTERM would kill the process without running any clean-up. Over a
-    Python handler there is nothing to add: it either returns (the process goes on and needs its
-    spilled records) or raises (the exception unwinds and the directories go at exit). Over SIG_IGN
-    the process means to survive SIGTERM; over a handler installed outside Python it cannot be chained.
+    Installed once (the installed handler is its own flag), from the main thread only (Python runs
+    signal handlers there), and only over the default disposition, where SIGTERM would kill the
+    process without running any clean-up. Over a Python handler there is nothing to add: it either
+    returns (the process goes on and needs its spilled records) or raises (the exception unwinds and
+    the directories go at exit). Over SIG_IGN the process means to survive SIGTERM; over a handler
+    installed outside Python it cannot be chained.
     """
     current = signal.getsignal(signal.SIGTERM)
     if current is _on_sigterm:
