@@ -118,6 +118,16 @@ def test_the_heap_store_keeps_the_same_contract():
     assert len(store) == 0 and store.stats()["bytes_in_use"] == 0
 
 
+def test_the_store_takes_a_reencode_callable_not_a_codec():
+    class Codec:
+        def reencode(self, packed, bits, seed):
+            return packed
+
+    with pytest.raises(TypeError, match=r"reencode must be a callable .* such as codec.reencode.*got Codec"):
+        PagedStore(Config(budget="1MiB"), Codec())
+    PagedStore(Config(budget="1MiB"), Codec().reencode).close()
+
+
 def test_the_memory_layer_does_not_import_the_codec_or_the_runtime():
     """It demotes through the callable it is given, so the codec can change without touching it."""
     for path in SRC.glob("*.py"):

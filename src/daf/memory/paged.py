@@ -107,6 +107,9 @@ class PagedStore:
     """
 
     def __init__(self, config: Config, reencode: Reencode | None = None) -> None:
+        if reencode is not None and not callable(reencode):
+            raise TypeError(f"PagedStore's reencode must be a callable (packed, bits, seed) -> Packed such as "
+                            f"codec.reencode, or None; got {type(reencode).__name__}")
         self.page_size = config.page_size
         self.budget = config.budget
         self.min_bits = config.min_bits
