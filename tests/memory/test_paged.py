@@ -13,20 +13,20 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import daf
-from daf.codec import Codec
+from daf.codec import MinMaxCodec, Spec
 from daf.config import Config
 from daf.format import payload_bytes
 from daf.memory import OutOfBudget, PagedStore, SpillError, make_store
 from daf.memory import spill as spill_module
 
 PAGE = 4096
-_REENCODE = Codec(Config()).reencode  # what the session hands the store
+_REENCODE = MinMaxCodec(Config()).reencode  # what the session hands the store
 
 
-def _packed(numel: int, bits: int, seed: int = 0, codec: Codec | None = None):
-    codec = codec or Codec(Config(backend="reference"))
+def _packed(numel: int, bits: int, seed: int = 0, codec: MinMaxCodec | None = None):
+    codec = codec or MinMaxCodec(Config(backend="reference"))
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    return codec.encode(x, bits, seed)
+    return codec.encode(x, Spec(bits, seed))
 
 
 def _same(a, b) -> bool:
@@ -60,7 +60,7 @@ def test_round_trip_without_budget_keeps_everything_exact_including_exceptions()
     store = PagedStore(Config(page_size=PAGE))
     x = torch.randn(5000)
     x[[3, 4000]] = torch.tensor([float("nan"), float("inf")])
-    originals = [Codec(Config()).encode(x, 2, 1)] + [_packed(n, b, n) for n, b in ((4096, 1), (30000, 8), (999, 4))]
+    originals = [MinMaxCodec(Config()).encode(x, Spec(2, 1))] + [_packed(n, b, n) for n, b in ((4096, 1), (30000, 8), (999, 4))]
     assert originals[0].exc_index is not None
     refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
     store._check()
@@ -95,7 +95,7 @@ def test_spill_round_trip_through_the_store_is_bit_exact():
 
 
 def test_demotion_goes_first_least_important_first_down_to_min_bits():
-    codec = Codec(Config())
+    codec = MinMaxCodec(Config())
     originals = [_packed(16384, 8, i) for i in range(4)]
     eight, four = _cost(originals[0]), _cost(_packed(16384, 4))
     store = PagedStore(Config(page_size=PAGE, budget=3 * eight + four, min_bits=2), codec.reencode)
@@ -118,7 +118,7 @@ def _with_nan(numel: int, seed: int = 0):
     """A 2-bit record with a one-element exception side table (12 B that stay in memory)."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     x[3] = float("nan")
-    return Codec(Config(backend="reference")).encode(x, 2, seed)
+    return MinMaxCodec(Config(backend="reference")).encode(x, Spec(2, seed))
 
 
 def _full_disk(fd, data):
@@ -157,7 +157,7 @@ def test_a_record_written_straight_to_disk_comes_back_into_the_pool_when_it_fits
     big = _packed(60000, 2, 1)
     x = torch.randn(5000)
     x[:400] = float("nan")  # 4800 B of exceptions: more than a page that cannot leave memory
-    small, after = Codec(Config()).encode(x, 2, 0), _packed(500, 2, 2)
+    small, after = MinMaxCodec(Config()).encode(x, Spec(2, 0)), _packed(500, 2, 2)
     store = PagedStore(Config(page_size=PAGE, budget=_cost(big) + PAGE, min_bits=2), _REENCODE)
     refs = [store.put(small, 0.0, "small#0"), store.put(big, 1.0, "big#0"), store.put(after, 2.0, "after#0")]
     assert store._records[refs[1]].direct
@@ -213,7 +213,7 @@ def test_a_record_larger_than_the_budget_raises_out_of_budget_when_the_disk_cann
 
 def test_a_record_whose_exception_side_table_alone_passes_the_budget_raises_out_of_budget():
     x = torch.full((5000,), float("nan"))  # 5000 exceptions: a side table larger than the budget
-    packed = Codec(Config()).encode(x, 2, 0)
+    packed = MinMaxCodec(Config()).encode(x, Spec(2, 0))
     store = PagedStore(Config(page_size=PAGE, budget=4 * PAGE, min_bits=2), _REENCODE)
     with pytest.raises(daf.OutOfBudget, match=r"side table stays in memory"):
         store.put(packed, 0.0, "nan#0")
