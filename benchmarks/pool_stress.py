@@ -23,12 +23,9 @@ import time
 
 import torch
 
+from daf.workloads.measure import rss_bytes
+
 WARMUP_STEPS = 100
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def _packed(numel: int, bits: int, step: int):

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
+from daf.format import ALLOWED_BITS
 
 __all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "parse_size", "register_config_type",
            "ALLOWED_BITS", "CONFIG_VERSION"]
 
-ALLOWED_BITS = (1, 2, 4, 8)
 # 2: policy and codec are typed configs ({"kind": ..., fields}), replan_every moved into Adaptive,
 # bits is only the uniform width. Version-1 dicts are migrated by ``Config.from_dict``.
 CONFIG_VERSION = 2

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "FORMAT_VERSION", "META_BYTES", "EXCEPTION_LIMIT", "MIN_STEP",
+    "FORMAT_VERSION", "ALLOWED_BITS", "META_BYTES", "EXCEPTION_LIMIT", "MIN_STEP",
     "Packed", "row_bytes", "num_groups", "payload_bytes", "flatten_memory_order", "restore_memory_order",
 ]
 
 FORMAT_VERSION = 1
+# The code widths of format 1: a byte holds a whole number of codes.
+ALLOWED_BITS = (1, 2, 4, 8)
 META_BYTES = 4
 # Elements whose magnitude is above this (and NaN) are stored exactly beside the codes,
 # so that lo and step always fit a bfloat16 and never overflow.

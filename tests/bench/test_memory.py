@@ -150,9 +150,10 @@ def test_command_recorded_under_python_m_daf_bench(tmp_path, fake_bench, monkeyp
 
 
 def test_peak_rss_bytes_of_this_process():
+    from daf.workloads.measure import peak_rss_bytes, rss_bytes
     with open("/proc/self/status") as status:
         rss = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-    assert probe.peak_rss_bytes() >= rss > 0
+    assert peak_rss_bytes() >= rss > 0 and rss_bytes() > 0 and rss_bytes(os.getpid()) > 0
 
 
 # --- real probe processes ------------------------------------------------------------------------

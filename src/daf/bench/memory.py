@@ -53,17 +53,6 @@ class ProbeOutcome:
                 "step_seconds": self.step_seconds, "reason": self.reason}
 
 
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 @contextlib.contextmanager
 def _held(lock: str | None):
     """The shared CPU lock for one probe (step times mean nothing on a busy machine)."""
@@ -81,6 +70,7 @@ def _held(lock: str | None):
 def run_probe_process(workload: str, method: Method, batch: int, steps: int, cap: int,
                       timeout: float, lock: str | None = None) -> ProbeOutcome:
     """Train ``steps`` steps at ``batch`` in a child process watched against ``cap`` bytes of RSS."""
+    from daf.workloads.measure import rss_bytes
     spec = {"workload": workload, "options": _WORKLOAD_OPTIONS.get(workload, {}), "method": method.to_dict(),
             "batch": batch, "steps": steps}
     command = [sys.executable, "-m", "daf.bench.probe", json.dumps(spec)]
@@ -90,7 +80,7 @@ def run_probe_process(workload: str, method: Method, batch: int, steps: int, cap
         started, killed = time.monotonic(), ""
         try:
             while process.poll() is None:
-                if _rss(process.pid) > cap:
+                if rss_bytes(process.pid) > cap:
                     killed = "over the cap"
                 elif time.monotonic() - started > timeout:
                     killed = f"still running after {timeout:.0f} s"

@@ -8,16 +8,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["run_probe", "peak_rss_bytes"]
-
-
-def peak_rss_bytes() -> int:
-    """This process's resident-set high-water mark (``VmHWM``): what a RAM limit sees."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+__all__ = ["run_probe"]
 
 
 def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +45,7 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
             raise FloatingPointError(f"loss is {loss.item()}")
         del loss
         seconds.append(time.perf_counter() - start)
+    from daf.workloads.measure import peak_rss_bytes  # here: torch only after the allocator
     return {"ok": True, "peak_rss_bytes": peak_rss_bytes(), "step_seconds": seconds, "blocks": blocks}
 
 

@@ -7,7 +7,7 @@ import torch
 from daf.codec.backends import REFERENCE, Backend, select_backend
 from daf.codec.spec import Spec
 from daf.config import Config
-from daf.format import FLOAT_DTYPES, Packed, flatten_memory_order, restore_memory_order
+from daf.format import ALLOWED_BITS, FLOAT_DTYPES, Packed, flatten_memory_order, restore_memory_order
 
 __all__ = ["encode", "decode", "MinMaxCodec"]
 
@@ -24,8 +24,8 @@ def encode(x: torch.Tensor, bits: int, group_size: int = 256, rounding: str = "s
     """
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"encode takes a floating-point tensor ({', '.join(map(str, FLOAT_DTYPES))}), got {x.dtype}")
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits must be one of (1, 2, 4, 8), got {bits}")
+    if bits not in ALLOWED_BITS:
+        raise ValueError(f"bits must be one of {ALLOWED_BITS}, got {bits}")
     if rounding not in ("stochastic", "nearest"):
         raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
     flat, order = flatten_memory_order(x.detach())

@@ -37,10 +37,12 @@ from functools import reduce
 
 import numpy as np
 
+from daf.format import ALLOWED_BITS
+
 __all__ = ["Site", "Plan", "allocate", "variance_costs", "RAW_BITS", "DEFAULT_CHOICES"]
 
 RAW_BITS = 32  # what a site kept raw counts for in the budget (float32; the honest upper bound)
-DEFAULT_CHOICES = (1, 2, 4, 8)
+DEFAULT_CHOICES = ALLOWED_BITS
 _MAX_CELLS = 1 << 22
 
 

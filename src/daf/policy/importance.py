@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from daf.tracing import OpCall
+from daf.tracing import OpCall, is_parameter
 
 __all__ = ["rounding_variance", "ImportanceEstimator", "SiteStats", "MATMUL_FUNCTIONS", "COMPOUNDING"]
 
@@ -167,7 +167,7 @@ class ImportanceEstimator:
                 fan, other = matmul
                 if other is None or not other.requires_grad or output is None or not output.requires_grad:
                     continue  # nothing downstream of this use depends on x
-                use.update(fan=fan, direct=_is_param(other), mean_square=_mean_square(x))
+                use.update(fan=fan, direct=is_parameter(other), mean_square=_mean_square(x))
                 if use["direct"]:
                     self._input_var[output.data_ptr()] = _variance(x)
                 if site not in self.sites:  # kept raw (the input batch): only its noise power counts
@@ -193,7 +193,7 @@ class ImportanceEstimator:
                 _hook_norm(x, use, "gx")
                 self._uses.append((site, "batch_norm", use))
             else:
-                use["affine"] = any(_is_param(a) for a in _tensors(call.args, call.kwargs))
+                use["affine"] = any(is_parameter(a) for a in _tensors(call.args, call.kwargs))
                 if use["affine"] and output is not None and output.requires_grad:
                     _hook_norm(output, use, "dy")
                 self._uses.append((site, "other", use))
@@ -299,7 +299,7 @@ def _mean_square(x: torch.Tensor) -> float:
 
 def _bn_weight(call: OpCall) -> torch.Tensor | None:
     weight = call.kwargs.get("weight", call.args[3] if len(call.args) > 3 else None)
-    return weight if isinstance(weight, torch.Tensor) and _is_param(weight) else None
+    return weight if isinstance(weight, torch.Tensor) and is_parameter(weight) else None
 
 
 def _batch_norm_weight(use: dict[str, Any], upstream: float, grad_gamma: torch.Tensor | None) -> float | None:
@@ -364,10 +364,6 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, (list, tuple)):
         return next((t for t in output if isinstance(t, torch.Tensor)), None)
     return None
-
-
-def _is_param(t: torch.Tensor) -> bool:
-    return isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad)
 
 
 def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:

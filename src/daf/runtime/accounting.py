@@ -9,7 +9,7 @@ import torch
 
 from daf.report import Report, SiteRow
 from daf.runtime.route import Encoding, Kind
-from daf.runtime.tables import TensorTable
+from daf.tracing import TensorTable
 
 __all__ = ["Accounting"]
 

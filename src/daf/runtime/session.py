@@ -23,8 +23,7 @@ from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.route import Context, Encoding, Kind, route
-from daf.runtime.tables import TensorTable
-from daf.tracing import OpCall, OpTracker, SiteTracker
+from daf.tracing import OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, parameter_storages
 
 __all__ = ["Session"]
 
@@ -131,10 +130,7 @@ class Session:
         self.accounting.begin()
         self._shared.clear()
         self._relu_masks.clear()
-        self._parameter_storages = set()
-        if model is not None:
-            for tensor in [*model.parameters(), *model.buffers()]:
-                self._parameter_storages.add(tensor.untyped_storage().data_ptr())
+        self._parameter_storages = parameter_storages(model)
         self.policy.on_forward_start(self.forwards)
 
     def end_forward(self) -> None:
@@ -165,7 +161,7 @@ class Session:
         return saved
 
     def _context(self, site: str, tensor: torch.Tensor, op: OpCall | None) -> Context:
-        return Context(site=site, op=op, is_parameter=self._is_parameter(tensor),
+        return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
                        shared=self._shared.get(tensor) is not None,
                        relu_mask=self._relu_masks.get(tensor) is not None, masks=self.config.masks,
                        min_numel=self.config.min_numel, nonzeros_only=self.policy.codes_nonzeros_only,
@@ -255,11 +251,6 @@ class Session:
         call.saves.clear()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _is_parameter(self, tensor: torch.Tensor) -> bool:
-        if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
-            return True
-        return tensor.untyped_storage().data_ptr() in self._parameter_storages
-
     def _next_seed(self) -> int:
         self._packs += 1
         return _splitmix64(self.config.seed ^ _splitmix64(self._packs)) & _MASK32

@@ -1,4 +1,5 @@
-"""What is running when a tensor is saved: the torch function (``OpTracker``) and the module (``SiteTracker``).
+"""What is running when a tensor is saved: the torch function (``OpTracker``), the module (``SiteTracker``),
+and which tensor it is (``TensorTable``, ``is_parameter``).
 
 The lowest floor the runtime and the policies share: both read an ``OpCall``, neither
 is imported from here.
@@ -6,5 +7,7 @@ is imported from here.
 
 from daf.tracing.ops import ATTENTION_FUNCTIONS, RELU_FUNCTIONS, OpCall, OpTracker
 from daf.tracing.sites import SiteTracker
+from daf.tracing.tensors import TensorTable, is_parameter, parameter_storages, tensor_key
 
-__all__ = ["OpCall", "OpTracker", "SiteTracker", "RELU_FUNCTIONS", "ATTENTION_FUNCTIONS"]
+__all__ = ["OpCall", "OpTracker", "SiteTracker", "TensorTable", "tensor_key", "is_parameter", "parameter_storages",
+           "RELU_FUNCTIONS", "ATTENTION_FUNCTIONS"]

@@ -20,19 +20,35 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PeakRSS", "SavedBytes", "StepTimeline", "rss_bytes"]
+from daf.tracing import TensorTable, is_parameter, parameter_storages
+
+__all__ = ["PeakRSS", "SavedBytes", "StepTimeline", "rss_bytes", "peak_rss_bytes"]
 
 _PAGE = 4096
 _STATUS = Path("/proc/self/status")
 
 
-def rss_bytes() -> int:
-    """Current resident set size of this process in bytes (0 where /proc is missing). O(1), about 10 us."""
+def rss_bytes(pid: int | str = "self") -> int:
+    """Current resident set size of a process (this one by default) in bytes; 0 where /proc is missing
+    or the process is gone. O(1), about 10 us."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * _PAGE
     except OSError:
         return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-set high-water mark (``VmHWM``, what a RAM limit sees), or ``ru_maxrss``
+    where /proc is missing."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class PeakRSS:
@@ -56,15 +72,8 @@ class PeakRSS:
             self.resettable = False
 
     def peak(self) -> int:
-        """Peak RSS in bytes: max of the ``VmHWM`` line of /proc/self/status, or ``ru_maxrss``."""
-        try:
-            for line in _STATUS.read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        """Peak RSS in bytes since ``reset()`` (``peak_rss_bytes``)."""
+        return peak_rss_bytes()
 
 
 class _Held:
@@ -91,26 +100,24 @@ class SavedBytes:
         self.total = 0
         self.live = 0
         self._parameters: set[int] = set()
-        self._seen: dict[tuple, tuple[weakref.ref, int, weakref.ref]] = {}
+        self._seen = TensorTable()  # the session's own sharing rule: a tensor saved twice counts once
 
     def hooks(self, model: nn.Module) -> torch.autograd.graph.saved_tensors_hooks:
         self.total = 0
         self._seen.clear()
-        self._parameters = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self._parameters = parameter_storages(model)
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if (isinstance(tensor, nn.Parameter) or (tensor.is_leaf and tensor.requires_grad)
-                or tensor.untyped_storage().data_ptr() in self._parameters):
+        if is_parameter(tensor, self._parameters):
             return tensor
-        key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-        hit = self._seen.get(key)
-        if hit is not None and hit[0]() is tensor and hit[1] == tensor._version and hit[2]() is not None:
-            return hit[2]()
+        hit = self._seen.get(tensor)
+        if hit is not None and hit() is not None:
+            return hit()
         nbytes = tensor.numel() * tensor.element_size()
         held = _Held(tensor, self, nbytes)
         self.total += nbytes
-        self._seen[key] = (weakref.ref(tensor), tensor._version, weakref.ref(held))
+        self._seen.put(tensor, weakref.ref(held))
         return held
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Per-forward tables keyed by a tensor as it is now.
+"""Which tensor is which: parameters (and views of them), and per-forward tables keyed by a tensor as it is now.
 
 A key is the tensor's address, offset, shape, strides, dtype and device; an entry also keeps
 a weak reference and the version counter, so that another tensor at a freed address, or the
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorTable", "tensor_key"]
+__all__ = ["TensorTable", "tensor_key", "parameter_storages", "is_parameter"]
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
@@ -40,3 +40,18 @@ class TensorTable:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def parameter_storages(model: torch.nn.Module | None) -> set[int]:
+    """The storage addresses of ``model``'s parameters and buffers (empty for None)."""
+    if model is None:
+        return set()
+    return {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+
+
+def is_parameter(tensor: torch.Tensor, storages: set[int] = frozenset()) -> bool:
+    """A parameter, a leaf that requires grad, or a view of a tensor in ``storages``
+    (``parameter_storages``): autograd keeps it alive anyway, so saving it costs nothing."""
+    if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+        return True
+    return bool(storages) and tensor.untyped_storage().data_ptr() in storages
