@@ -35,18 +35,18 @@ class _Saved:
 
     The same object is returned for every op that saves the same tensor, so the
     record is released exactly once, when autograd drops the last of them. Under
-    background packing ``ref`` is None and ``pending`` holds the future, the importance
-    and the report row until the session puts the result into the store. A record of
+    background packing ``ref`` is None and ``pending`` holds the future and the importance
+    until the session puts the result into the store (and its bytes into report row ``row``). A record of
     the nonzeros of a ReLU output holds ``mask``: the ``_Saved`` of ReLU's own 1-bit mask,
     kept alive with it, which says where they go and the output's shape, order and dtype.
     """
 
-    __slots__ = ("store", "ref", "site", "pending", "mask", "source", "__weakref__")
+    __slots__ = ("store", "ref", "site", "pending", "mask", "source", "row", "__weakref__")
 
     def __init__(self, store: Store, ref: int | None, site: str, source: "_Source",
-                 pending: tuple[Future, float, int] | None = None, mask: "_Saved | None" = None) -> None:
+                 pending: tuple[Future, float] | None = None, mask: "_Saved | None" = None) -> None:
         self.store, self.ref, self.site, self.pending, self.mask = store, ref, site, pending, mask
-        self.source = source
+        self.source, self.row = source, -1
 
     def __del__(self) -> None:
         if self.ref is None:
@@ -149,16 +149,20 @@ class Session:
         site = self.sites.next_site()
         op = self._current_op()
         encoding = route(tensor, self._context(site, tensor, op))
-        if encoding.kind.stored:
-            saved, stored, pending = self._encode_and_put(encoding, tensor, site, op)
-        else:
-            saved = self._shared.get(tensor) if encoding.kind is Kind.SHARED else _Kept(tensor, site)
-            stored, pending = (tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0), False
+        saved, stored = self._keep(encoding, tensor, site, op)
         row = self.accounting.add(site, tensor, encoding, stored)
-        if pending:
-            saved.pending = (*saved.pending, row)
+        if isinstance(saved, _Saved) and saved.pending is not None:
+            saved.row = row  # its bytes are filled in when the background pack is collected
         self._observe(op, encoding, site, tensor, saved)
         return saved
+
+    def _keep(self, encoding: Encoding, tensor: torch.Tensor, site: str, op: OpCall | None) -> tuple[Any, int]:
+        """What autograd holds for ``tensor``, and the bytes that costs."""
+        if encoding.kind.stored:
+            return self._encode_and_put(encoding, tensor, site, op)
+        if encoding.kind is Kind.SHARED:
+            return self._shared.get(tensor), 0
+        return _Kept(tensor, site), tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0
 
     def _context(self, site: str, tensor: torch.Tensor, op: OpCall | None) -> Context:
         return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
@@ -168,8 +172,8 @@ class Session:
                        bits_for=self._bits_for)
 
     def _encode_and_put(self, encoding: Encoding, tensor: torch.Tensor, site: str,
-                        op: OpCall | None) -> tuple["_Saved", int, bool]:
-        """Encode (here or on the packer's thread) and store; (the record, its bytes, pending)."""
+                        op: OpCall | None) -> tuple["_Saved", int]:
+        """Encode (here or on the packer's thread) and store; (the record, its bytes: 0 while pending)."""
         spec = Spec(encoding.bits, self._next_seed(), op.name if op is not None else None, encoding.values)
         importance = self.policy.importance(site, self._packs)
         data = encoding.data if encoding.data is not None else tensor
@@ -179,18 +183,18 @@ class Session:
             saved = _Saved(self.store, None, site, _Source(tensor),
                            (self.packer.submit(encoding.codec, data, spec), importance), mask)
             self._pending.append(saved)
-            stored, pending = 0, True  # filled in when the packed tensor is collected
+            stored = 0
         else:
             packed = self.codecs.encode(encoding.codec, data, spec)
             saved = _Saved(self.store, self.store.put(packed, importance, site), site, _Source(tensor), None, mask)
-            stored, pending = packed.nbytes, False
+            stored = packed.nbytes
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
         else:
             self._shared.put(tensor, saved)
         if codes:
             self.policy.watch(site, data, encoding.bits, tensor.numel() if mask is not None else None)
-        return saved, stored, pending
+        return saved, stored
 
     def _observe(self, op: OpCall | None, encoding: Encoding, site: str, tensor: torch.Tensor, saved: Any) -> None:
         """Tell the op's call which stored (or raw floating-point) tensors it saved: the policy
@@ -227,10 +231,10 @@ class Session:
         """Wait for the background packs of this forward and put them into the store, in pack order."""
         pending, self._pending = self._pending, []
         for saved in pending:
-            future, importance, row = saved.pending
+            future, importance = saved.pending
             packed = future.result()
             saved.ref, saved.pending = self.store.put(packed, importance, saved.site), None
-            self.accounting.fill(row, saved.site, packed.nbytes)
+            self.accounting.fill(saved.row, saved.site, packed.nbytes)
 
     # -- op tracking -----------------------------------------------------------------------
     def _trackers(self) -> list[OpTracker]:
