@@ -2,7 +2,8 @@
 
 In order (the first that holds decides):
 
-1. a parameter or buffer (or a view of one): referenced, never copied;
+1. a parameter or buffer (or a view of one): referenced, never copied; a cast of one (autocast's
+   bf16 copy of a weight): kept raw, since coarse codes of a weight spoil every input gradient;
 2. ReLU's own save of its output, with masks on: an exact 1-bit mask (``relu_mask``);
 3. not compressible (no autograd history, not floating point, small, sparse, meta): an exact
    mask if it holds two values, else kept raw;
@@ -28,7 +29,7 @@ import torch
 from daf.codec.mask import MASK_DTYPES, two_values
 from daf.codec.nonzeros import nonzeros_of
 from daf.format import FLOAT_DTYPES
-from daf.tracing import OpCall
+from daf.tracing import OpCall, cast_of_parameter
 
 __all__ = ["Kind", "Encoding", "Context", "route"]
 
@@ -88,6 +89,8 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
     """The encoding of ``tensor`` saved at ``context.site`` (the rules in the module docstring)."""
     if context.is_parameter:
         return PARAMETER
+    if cast_of_parameter(tensor):
+        return RAW
     if context.masks and context.op is not None and context.op.is_relu and is_relu_result(tensor):
         return RELU_MASK
     if not compressible(tensor, context.min_numel):
