@@ -5,8 +5,8 @@ In order (the first that holds decides):
 1. a parameter or buffer (or a view of one): referenced, never copied; a cast of one (autocast's
    bf16 copy of a weight): kept raw, since coarse codes of a weight spoil every input gradient;
 2. ReLU's own save of its output, with masks on: an exact 1-bit mask (``relu_mask``);
-3. not compressible (no autograd history, not floating point, small, sparse, meta): an exact
-   mask if it holds two values, else kept raw;
+3. not compressible (no autograd history, not floating point, small, sparse, meta, float64
+   magnitudes the codes cannot carry): an exact mask if it holds two values, else kept raw;
 4. an earlier save of the same tensor in this forward is stored: shared;
 5. two values only (dropout masks): an exact mask;
 6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
@@ -126,4 +126,19 @@ def is_relu_result(tensor: torch.Tensor) -> bool:
 
 def compressible(tensor: torch.Tensor, min_numel: int) -> bool:
     return (tensor.grad_fn is not None and tensor.dtype in FLOAT_DTYPES
-            and tensor.numel() >= max(min_numel, 1) and tensor.layout == torch.strided and not tensor.is_meta)
+            and tensor.numel() >= max(min_numel, 1) and tensor.layout == torch.strided and not tensor.is_meta
+            and (tensor.dtype != torch.float64 or within_codec_range(tensor)))
+
+
+# The codes carry a group's min and step in bfloat16 and compute in float32: magnitudes outside
+# [2**-120, 2**120] lose every significant digit there (float64 values around 1e-60 all decoded to 0).
+_SMALLEST, _LARGEST = 2.0**-120, 2.0**120
+
+
+def within_codec_range(tensor: torch.Tensor) -> bool:
+    """Whether every finite nonzero magnitude of ``tensor`` is in [2**-120, 2**120]. Only float64
+    can hold others in practice (float32 below 2**-120 are near-denormals: their absolute error,
+    under 2**-124, is what quantization allows anyway). O(numel)."""
+    magnitude = tensor.detach().abs()
+    inside = (magnitude == 0) | ~torch.isfinite(magnitude) | ((magnitude >= _SMALLEST) & (magnitude <= _LARGEST))
+    return bool(inside.all())
