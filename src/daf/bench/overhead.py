@@ -1,0 +1,184 @@
+"""Where a DAF training step's extra time goes, per component: ``python -m daf.bench overhead``.
+
+Two models of one workload (same weights, same batches) train step by step in turn, one
+plain and one under ``daf.wrap``; a third runs plain under DAF's op tracker alone. The DAF
+session's codecs, store and policy are wrapped in timers, and so are its two hooks. Per step:
+
+- ``encode[NAME]`` / ``decode[TYPE]``: the codecs (``codes``, ``relu_mask``, ``mask``);
+- ``store``: ``put``, ``get`` and ``release`` of the page pool;
+- ``policy``: ``bits_for``, ``watch``, ``watch_op``, ``on_forward_start``;
+- ``pack: routing and bookkeeping`` / ``unpack: rest``: the hooks' time less the above;
+- ``op tracking``: the plain step under the tracker less the plain step (one Python call per
+  torch function);
+- ``unexplained``: DAF's step less fp32's less all of the above (hook dispatch in autograd,
+  the allocator, caches).
+
+Figures are medians over the measured steps, after warm-up; the JSON has every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["measure", "main", "add_arguments"]
+
+_POLICY_METHODS = ("bits_for", "watch", "watch_op", "on_forward_start")
+
+
+class _Clock:
+    """Seconds per label for the step in progress; a timer running inside an outer one (``outer=True``:
+    the hooks) also adds its time to ``inner:<outer label>``, so the outer's own time can be told apart."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._outer: list[str] = []
+
+    def timed(self, label: Callable[..., str] | str, function: Callable, outer: bool = False) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            name = label(*args, **kwargs) if callable(label) else label
+            if outer:
+                self._outer.append(name)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                if outer:
+                    self._outer.pop()
+                elif self._outer:
+                    self.seconds[f"inner:{self._outer[-1]}"] += elapsed
+                self.seconds[name] += elapsed
+        return run
+
+
+class _Proxy:
+    """``target`` with some methods timed; every other attribute is the target's."""
+
+    def __init__(self, target: Any, methods: dict[str, Callable]) -> None:
+        self._target, self._methods = target, methods
+
+    def __getattr__(self, name: str) -> Any:
+        return self._methods.get(name) or getattr(self._target, name)
+
+
+def _instrument(session: Any, clock: _Clock) -> None:
+    """Put timers around the session's codecs, store, policy and hooks (before its first forward)."""
+    codecs, store, policy = session.codecs, session.store, session.policy
+    session.codecs = _Proxy(codecs, {
+        "encode": clock.timed(lambda name, *a, **k: f"encode[{name}]", codecs.encode),
+        "decode": clock.timed(lambda packed, *a, **k: f"decode[{type(packed).__name__}]", codecs.decode)})
+    session.store = _Proxy(store, {m: clock.timed("store", getattr(store, m)) for m in ("put", "get", "release")})
+    session.policy = _Proxy(policy, {m: clock.timed("policy", getattr(policy, m)) for m in _POLICY_METHODS})
+    session.pack = clock.timed("pack (all)", session.pack, outer=True)
+    session.unpack = clock.timed("unpack (all)", session.unpack, outer=True)
+
+
+def _step(workload: Any, model: Any, optimizer: Any, batch: Any) -> float:
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    workload.loss(model, batch).backward()
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def measure(workload_name: str, batch: int, steps: int = 5, warmup: int = 2, options: dict | None = None,
+            config: Any = None) -> dict[str, Any]:
+    """Per-component seconds of ``steps`` DAF steps against fp32 on ``workload_name`` (see module docstring)."""
+    import torch
+
+    import daf
+    from daf.tracing import OpTracker
+    from daf.workloads import get_workload
+
+    workload = get_workload(workload_name, **(options or {}))
+    batches = list(workload.batches(batch, warmup + steps))
+    models = {arm: workload.build_model() for arm in ("fp32", "tracker", "daf")}
+    daf.wrap(models["daf"], config if config is not None else daf.Config())
+    clock = _Clock()
+    _instrument(daf.session_of(models["daf"]), clock)
+    optimizers = {arm: workload.optimizer(model, warmup + steps)[0] for arm, model in models.items()}
+    rows: list[dict[str, float]] = []
+    for index, data in enumerate(batches):
+        clock.seconds.clear()
+        row = {"fp32": _step(workload, models["fp32"], optimizers["fp32"], data)}
+        with OpTracker(lambda call: None):
+            row["tracker"] = _step(workload, models["tracker"], optimizers["tracker"], data)
+        row["daf"] = _step(workload, models["daf"], optimizers["daf"], data)
+        row.update(clock.seconds)
+        if index >= warmup:
+            rows.append(row)
+    del torch
+    return {"workload": workload_name, "batch": batch, "steps": steps, "warmup": warmup,
+            "options": options or {}, "components": _components(rows), "rows": rows}
+
+
+def _components(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds per step of each component (module docstring)."""
+    def median(key: str) -> float:
+        return statistics.median(row.get(key, 0.0) for row in rows)
+
+    hooks = {"pack (all)", "unpack (all)", "inner:pack (all)", "inner:unpack (all)"}
+    labels = sorted({key for row in rows for key in row} - {"fp32", "tracker", "daf"} - hooks)
+    out = {"fp32 step": median("fp32"), "DAF step": median("daf")}
+    out.update({k: median(k) for k in labels})
+    # the hooks' own time: routing (two-value and nonzeros checks included), accounting, tables
+    out["pack: routing and bookkeeping"] = statistics.median(
+        row.get("pack (all)", 0.0) - row.get("inner:pack (all)", 0.0) for row in rows)
+    out["unpack: rest (scatter, checks)"] = statistics.median(
+        row.get("unpack (all)", 0.0) - row.get("inner:unpack (all)", 0.0) for row in rows)
+    out["op tracking"] = statistics.median(row["tracker"] - row["fp32"] for row in rows)
+    explained = sum(v for k, v in out.items() if k not in ("fp32 step", "DAF step"))
+    out["unexplained"] = out["DAF step"] - out["fp32 step"] - explained
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    comps = result["components"]
+    fp32 = comps["fp32 step"]
+    lines = [f"{result['workload']} batch {result['batch']} {result['options']}: medians of {result['steps']} steps "
+             f"after {result['warmup']} warm-up", f"{'component':34s} {'ms/step':>9s} {'% of fp32':>10s}"]
+    for name, seconds in comps.items():
+        lines.append(f"{name:34s} {1000 * seconds:9.1f} {100 * seconds / fp32:9.1f}%")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="resnet18-fmnist")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a workload option, e.g. -O width=16")
+    parser.add_argument("--bits", type=int, default=2)
+    parser.add_argument("--json", metavar="FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    import ast
+
+    import daf
+    options = {}
+    for item in args.option:
+        key, _, value = item.partition("=")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    result = measure(args.workload, args.batch, args.steps, args.warmup, options, daf.Config(bits=args.bits))
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m daf.bench overhead")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

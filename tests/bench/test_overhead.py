@@ -1,0 +1,22 @@
+"""``python -m daf.bench overhead``: every component has a row, and together they explain the gap."""
+
+import json
+import math
+
+from daf.bench import overhead
+from daf.bench.__main__ import main
+
+
+def test_overhead_table_and_json(tmp_path, capsys):
+    path = tmp_path / "o.json"
+    assert main(["overhead", "--workload", "tiny-mnist", "--batch", "32", "--steps", "2", "--warmup", "1",
+                 "-O", "train_size=256", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    components = result["components"]
+    for name in ("fp32 step", "DAF step", "encode[codes]", "encode[relu_mask]", "decode[Packed]", "store",
+                 "policy", "pack: routing and bookkeeping", "op tracking", "unexplained"):
+        assert name in components and math.isfinite(components[name])
+    parts = sum(v for k, v in components.items() if k not in ("fp32 step", "DAF step"))
+    assert math.isclose(components["fp32 step"] + parts, components["DAF step"], rel_tol=1e-9)
+    assert len(result["rows"]) == 2
+    assert "encode[relu_mask]" in capsys.readouterr().out
