@@ -85,7 +85,7 @@ class NativeBackend:
         """Whole groups where it is bound to win; the autotuner's timed choice where it is not."""
         if x.numel() < _TUNE_MIN_NUMEL or self.serial:  # one thread: the strategies coincide
             return "whole_groups"
-        if not ops.native_takes(x.dtype, x.device, group_size):  # the reference has no strategies
+        if not ops.native_takes(x.dtype, x.is_cpu, group_size):  # the reference has no strategies
             return "whole_groups"
         if num_groups(x.numel(), group_size) >= _MANY_GROUPS_PER_THREAD * torch.get_num_threads():
             # Enough groups to balance the threads: one pass beats two, timing could only add noise.

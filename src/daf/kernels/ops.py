@@ -32,7 +32,7 @@ import torch
 from daf.format import payload_bytes
 from daf.kernels import reference
 
-__all__ = ["NAMESPACE", "STRATEGIES", "encode_flat", "decode_flat", "decode_into", "native_takes",
+__all__ = ["NAMESPACE", "STRATEGIES", "check_format", "encode_flat", "decode_flat", "decode_into", "native_takes",
            "register_native", "native_registered"]
 
 NAMESPACE = "daf"
@@ -62,9 +62,9 @@ def check_format(bits: int, group_size: int) -> None:
         raise ValueError(f"group_size must be positive and fill whole bytes at {bits} bits, got {group_size}")
 
 
-def native_takes(dtype: torch.dtype, device: torch.device, group_size: int) -> bool:
+def native_takes(dtype: torch.dtype, on_cpu: bool, group_size: int) -> bool:
     """Whether the C++ kernels take this input; the CPU implementation hands the rest to the reference."""
-    return dtype in _DTYPE_CODES and device.type == "cpu" and group_size >= 8 and group_size & (group_size - 1) == 0
+    return on_cpu and dtype in _DTYPE_CODES and group_size >= 8 and group_size & (group_size - 1) == 0
 
 
 # ---- default implementations: the reference, any device --------------------------------------
@@ -121,7 +121,7 @@ def _encode_native(ext: ModuleType) -> Callable:
     def encode(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, strategy: int = 0,
                serial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         check_format(bits, group_size)
-        if not native_takes(x.dtype, x.device, group_size):
+        if not native_takes(x.dtype, x.is_cpu, group_size):
             return _encode_reference(x, bits, group_size, stochastic, seed)
         x = x.reshape(-1).contiguous()
         numel = x.numel()
@@ -139,7 +139,7 @@ def _decode_native(ext: ModuleType) -> Callable:
                     exc_value: torch.Tensor | None, out: torch.Tensor) -> None:
         check_format(bits, group_size)
         numel = out.numel()
-        if not (native_takes(out.dtype, payload.device, group_size) and payload.dtype == torch.uint8
+        if not (native_takes(out.dtype, payload.is_cpu and out.is_cpu, group_size) and payload.dtype == torch.uint8
                 and out.is_contiguous()):
             return _decode_into_reference(payload, bits, group_size, exc_index, exc_value, out)
         expected = payload_bytes(numel, bits, group_size)
