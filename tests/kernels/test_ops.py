@@ -155,6 +155,9 @@ def test_bad_arguments_raise_value_errors_through_the_dispatcher(extension):
         torch.ops.daf.format1_encode(x, 1, 4, False, 0)
     with pytest.raises(ValueError, match="strategy must be one of"):
         ops.encode_flat(x, 2, 16, False, 0, strategy="fastest")
+    for strategy_refused in (torch.ops.daf.format1_encode, encode_default):
+        with pytest.raises(ValueError, match="strategy must be one of"):
+            strategy_refused(x, 2, 16, False, 0, 2)
     payload = torch.ops.daf.format1_encode(x, 2, 16, False, 0)[0]
     with pytest.raises(ValueError, match="need"):
         torch.ops.daf.format1_decode(payload[:-1], 100, 2, 16, torch.float32)
@@ -168,3 +171,10 @@ def test_kernels_import_nothing_from_the_codec():
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
                      else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             assert not any(n == "daf.codec" or n.startswith("daf.codec.") for n in names), path
+
+
+def test_the_codec_reference_is_the_kernels_reference():
+    from daf.codec import reference as codec_reference
+
+    assert codec_reference.encode_flat is reference.encode_flat
+    assert codec_reference.decode_flat is reference.decode_flat

@@ -62,6 +62,12 @@ def check_format(bits: int, group_size: int) -> None:
         raise ValueError(f"group_size must be positive and fill whole bytes at {bits} bits, got {group_size}")
 
 
+def _check_strategy(strategy: int) -> None:
+    if strategy not in STRATEGIES.values():
+        raise ValueError(f"strategy must be one of {sorted(STRATEGIES.values())} ({', '.join(STRATEGIES)}), "
+                         f"got {strategy}")
+
+
 def native_takes(dtype: torch.dtype, on_cpu: bool, group_size: int) -> bool:
     """Whether the C++ kernels take this input; the CPU implementation hands the rest to the reference."""
     return on_cpu and dtype in _DTYPE_CODES and group_size >= 8 and group_size & (group_size - 1) == 0
@@ -72,6 +78,7 @@ def native_takes(dtype: torch.dtype, on_cpu: bool, group_size: int) -> bool:
 def _encode_reference(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int,
                       strategy: int = 0, serial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     check_format(bits, group_size)
+    _check_strategy(strategy)  # the reference has no strategies, but an op refuses the same arguments everywhere
     payload, exc_index, _ = reference.encode_flat(x.reshape(-1).contiguous(), bits, group_size, stochastic, seed)
     return payload, torch.tensor(exc_index is None, device=x.device)
 
@@ -98,6 +105,7 @@ torch.library.register_kernel(_DECODE_INTO, "default", _decode_into_reference)
 @torch.library.register_fake(_ENCODE)
 def _encode_fake(x, bits, group_size, stochastic, seed, strategy=0, serial=False):
     check_format(bits, group_size)
+    _check_strategy(strategy)
     return x.new_empty(payload_bytes(x.numel(), bits, group_size), dtype=torch.uint8), x.new_empty((), dtype=torch.bool)
 
 
@@ -121,6 +129,7 @@ def _encode_native(ext: ModuleType) -> Callable:
     def encode(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, strategy: int = 0,
                serial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         check_format(bits, group_size)
+        _check_strategy(strategy)
         if not native_takes(x.dtype, x.is_cpu, group_size):
             return _encode_reference(x, bits, group_size, stochastic, seed)
         x = x.reshape(-1).contiguous()
