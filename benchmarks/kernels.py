@@ -180,12 +180,14 @@ def bench_dispatch(sizes: tuple[int, ...] = (256, 4096, 65536, 1 << 20, 1 << 22)
         }
         inner = max(1, (1 << 16) // numel)  # enough calls per sample that small sizes beat the clock
         times: dict[str, list[float]] = {k: [] for k in calls}
+        order = list(calls)
         for _ in range(rounds + 1):  # the first round warms up
-            for name, fn in calls.items():
+            for name in order:
                 start = time.perf_counter()
                 for _ in range(inner):
-                    fn()
+                    calls[name]()
                 times[name].append((time.perf_counter() - start) / inner)
+            order.reverse()  # whoever runs right after a decode finds x out of cache: take turns
         rows.append({"numel": numel, "bits": bits, "median_s": {k: statistics.median(v[1:]) for k, v in times.items()}})
     return rows
 
