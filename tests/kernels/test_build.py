@@ -71,3 +71,15 @@ def test_training_with_native_and_reference_backends_gives_identical_gradients(e
         assert daf.session_of(model).codec.name == f"minmax/{backend}"
         grads[backend] = [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads["native"], grads["reference"]))
+
+
+def test_without_kernels_auto_takes_the_reference_and_native_raises(monkeypatch):
+    import daf.kernels
+
+    monkeypatch.setattr(daf.kernels, "native_backend", lambda reason="": None)
+    monkeypatch.setattr(daf.kernels, "native_status", lambda: "not loaded: RuntimeError: no compiler here")
+    monkeypatch.delenv("DAF_BACKEND", raising=False)
+    chosen = select_backend("auto")
+    assert chosen.name == "reference" and "no compiler here" in chosen.reason
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        select_backend("native")
