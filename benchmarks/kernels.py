@@ -13,6 +13,10 @@ For each fp32 size and bit-width, medians after one warm-up run, all in the same
 Group size 256 (the strategy table: 2^16 and 2^20 too, where groups are few). GB/s count fp32 bytes in (compress) or out (decompress).
 ``--resnet`` adds, in the same run, the ResNet-18 training step (batch 64, 2 bits) for fp32, the
 reference codec and the native kernels (``benchmarks/resnet_step.py``, interleaved medians).
+``--dispatch`` measures what the op layer costs, in the same run, interleaved: the kernels called
+through ``torch.ops.daf`` (what DAF does) against the same kernels called directly through their
+pybind functions (how DAF called them before the op layer), per call and, with ``--resnet``, per
+ResNet-18 step.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from daf.codec import reference
-from daf.kernels import native_backend, native_status
+from daf.kernels import native_backend, native_status, reference
 from daf.kernels.backend import STRATEGIES
+from daf.kernels.build import load_extension
 
 GROUP = 256
 BITS = (1, 2, 4, 8)
@@ -126,6 +130,118 @@ def print_strategies(rows: list[dict]) -> None:
         print(f"  {r['size_mb']:>4} MB, group {r['group_size']:>8} ({r['groups']:>6} groups): {speeds}")
 
 
+class DirectBackend:
+    """The kernels without the op layer: pybind calls on ``data_ptr()`` (float32/16/bf16 CPU only)."""
+
+    name = "native-direct"
+    _codes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+    def __init__(self, serial: bool = False) -> None:
+        self.ext = load_extension().module
+        self.serial = serial
+        self.fallback = native_backend()
+
+    def encode_flat(self, x, bits, group_size, stochastic, seed):
+        x = x.reshape(-1).contiguous()
+        if x.dtype not in self._codes or group_size & (group_size - 1):
+            return self.fallback.encode_flat(x, bits, group_size, stochastic, seed)
+        payload = torch.empty(-(-x.numel() // group_size) * (4 + group_size * bits // 8), dtype=torch.uint8)
+        if x.numel() and not self.ext.encode(x.data_ptr(), x.numel(), self._codes[x.dtype], payload.data_ptr(), bits,
+                                             group_size, stochastic, seed & 0xFFFFFFFF, 0, self.serial):
+            return self.fallback.encode_flat(x, bits, group_size, stochastic, seed)
+        return payload, None, None
+
+    def decode_flat(self, payload, numel, bits, group_size, dtype, exc_index=None, exc_value=None, out=None):
+        if dtype not in self._codes or exc_index is not None:
+            return self.fallback.decode_flat(payload, numel, bits, group_size, dtype, exc_index, exc_value)
+        out = torch.empty(numel, dtype=dtype) if out is None else out
+        if numel:
+            self.ext.decode_into(payload.data_ptr(), numel, bits, group_size, self._codes[dtype], out.data_ptr())
+        return out
+
+
+def bench_dispatch(sizes: tuple[int, ...] = (256, 4096, 65536, 1 << 20, 1 << 22), bits: int = 2,
+                   rounds: int = 15) -> list[dict]:
+    """Median seconds per call, op layer against direct calls, interleaved round by round.
+
+    Encode runs on one thread (``serial``) on both paths: on a loaded machine the wait for a
+    second OpenMP thread (up to a scheduler tick) would hide the microseconds measured here.
+    """
+    ops, direct = native_backend().serial_twin(), DirectBackend(serial=True)
+    rows = []
+    for numel in sizes:
+        x = torch.randn(numel)
+        payload = ops.encode_flat(x, bits, GROUP, True, 1)[0]
+        calls = {
+            "encode_op": lambda: ops.encode_flat(x, bits, GROUP, True, 1, strategy="whole_groups"),
+            "encode_direct": lambda: direct.encode_flat(x, bits, GROUP, True, 1),
+            "decode_op": lambda: ops.decode_flat(payload, numel, bits, GROUP, torch.float32),
+            "decode_direct": lambda: direct.decode_flat(payload, numel, bits, GROUP, torch.float32),
+        }
+        inner = max(1, (1 << 16) // numel)  # enough calls per sample that small sizes beat the clock
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        order = list(calls)
+        for _ in range(rounds + 1):  # the first round warms up
+            for name in order:
+                start = time.perf_counter()
+                for _ in range(inner):
+                    calls[name]()
+                times[name].append((time.perf_counter() - start) / inner)
+            order.reverse()  # whoever runs right after a decode finds x out of cache: take turns
+        rows.append({"numel": numel, "bits": bits, "median_s": {k: statistics.median(v[1:]) for k, v in times.items()}})
+    return rows
+
+
+def print_dispatch(rows: list[dict]) -> None:
+    print("\nop layer (torch.ops.daf) against direct pybind calls, 2 bits, median microseconds per call "
+          "(encode on one thread)")
+    print(f"{'numel':>9} | {'encode op':>10} {'direct':>9} {'+us':>7} | {'decode op':>10} {'direct':>9} {'+us':>7}")
+    for r in rows:
+        m = {k: v * 1e6 for k, v in r["median_s"].items()}
+        print(f"{r['numel']:>9} | {m['encode_op']:>10.1f} {m['encode_direct']:>9.1f} "
+              f"{m['encode_op'] - m['encode_direct']:>7.1f} | {m['decode_op']:>10.1f} {m['decode_direct']:>9.1f} "
+              f"{m['decode_op'] - m['decode_direct']:>7.1f}")
+
+
+def resnet_dispatch(bits: int = 2, batch: int = 64, steps: int = 7, warmup: int = 2) -> dict:
+    """ResNet-18 step: fp32, native through the ops, native through direct calls; interleaved medians."""
+    import resnet_step  # the sibling script: python puts benchmarks/ on the path
+
+    import daf
+    from daf.workloads.resnet import ResNet18
+
+    def make(variant: str):
+        torch.manual_seed(0)
+        model = ResNet18()
+        if variant != "fp32":
+            daf.wrap(model, bits=bits, backend="native")
+            if variant == "native-direct":
+                daf.session_of(model).codec.backend = DirectBackend()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return step
+
+    steppers = {v: make(v) for v in ("fp32", "native", "native-direct")}
+    times: dict[str, list[float]] = {v: [] for v in steppers}
+    for i in range(warmup + steps):
+        for variant, step in steppers.items():
+            start = time.perf_counter()
+            step()
+            if i >= warmup:
+                times[variant].append(time.perf_counter() - start)
+    medians = {v: statistics.median(t) for v, t in times.items()}
+    result = {"batch": batch, "bits": bits, "steps": steps, "warmup": warmup, "threads": torch.get_num_threads(),
+              "native_status": native_status(), "median_s": medians, "all_s": times,
+              "vs_fp32": {v: medians[v] / medians["fp32"] for v in steppers}}
+    resnet_step.print_result(result)
+    return result
+
+
 def print_row(row: dict) -> None:
     copy = row["copy_GBps"]
     print(f"\n{row['size_mb']} MB fp32 ({row['numel']:,} elements, median of {row['repeats']}): "
@@ -153,10 +269,21 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--no-naive", action="store_true")
     parser.add_argument("--resnet", action="store_true", help="add the ResNet-18 step: fp32, reference, native")
+    parser.add_argument("--dispatch", action="store_true",
+                        help="only the op layer against direct calls (with --resnet: per ResNet-18 step too)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if native_backend() is None:
         raise SystemExit(f"native kernels unavailable: {native_status()}")
+    if args.dispatch:
+        figures = {"dispatch": bench_dispatch(), "native_status": native_status()}
+        print_dispatch(figures["dispatch"])
+        if args.resnet:
+            figures["resnet_dispatch"] = resnet_dispatch()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=1)
+        return
     sizes = args.sizes_mb + ([512] if args.large else [])
     print(f"kernels: {native_status()}; {torch.get_num_threads()} threads; group {GROUP}; "
           "SR = stochastic rounding (DAF's default), RN = nearest; speedup = native SR compress over the other")

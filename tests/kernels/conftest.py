@@ -20,4 +20,4 @@ def extension():
 def native(extension, tmp_path):
     from daf.kernels.backend import NativeBackend
 
-    return NativeBackend(extension, Autotuner(tmp_path / "autotune.json", repeats=1))
+    return NativeBackend(Autotuner(tmp_path / "autotune.json", repeats=1))

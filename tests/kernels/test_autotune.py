@@ -86,14 +86,14 @@ def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
 
 def test_backend_tunes_once_per_shape_class_and_reuses_the_file(extension, tmp_path):
     path = tmp_path / "tune.json"
-    first = NativeBackend(extension, Autotuner(path, repeats=1))
+    first = NativeBackend(Autotuner(path, repeats=1))
     x = torch.randn(1 << 16)  # two groups of 32768: few groups, where the strategies compete
     first.encode_flat(x, 2, 1 << 15, True, 0)
     first.encode_flat(x + 1, 2, 1 << 15, True, 1)  # same class
     first.encode_flat(x.to(torch.bfloat16), 2, 1 << 15, True, 0)  # another class
     first.encode_flat(x, 2, 256, True, 0)  # 256 groups: whole groups without timing
     assert first.tuner.timed == 2
-    second = NativeBackend(extension, Autotuner(path, repeats=1))
+    second = NativeBackend(Autotuner(path, repeats=1))
     second.encode_flat(x, 2, 1 << 15, True, 0)
     second.encode_flat(x.to(torch.bfloat16), 2, 1 << 15, True, 0)
     assert second.tuner.timed == 0

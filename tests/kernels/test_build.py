@@ -36,11 +36,28 @@ def test_simd_flags_follow_the_cpu_capability():
     assert build.simd_flags("DEFAULT") == ()
 
 
-def test_environment_forces_either_path(monkeypatch, extension):
+def test_environment_applies_only_where_the_config_says_auto(monkeypatch, extension):
     monkeypatch.setenv("DAF_BACKEND", "reference")
-    assert select_backend("native").name == "reference"
+    chosen = select_backend("auto")
+    assert chosen.name == "reference" and "DAF_BACKEND='reference'" in chosen.reason
+    assert select_backend("native").name == "native"  # an explicit setting wins over the environment
     monkeypatch.setenv("DAF_BACKEND", "native")
-    assert select_backend("reference").name == "native"
+    assert select_backend("reference").name == "reference"
+    chosen = select_backend("auto")
+    assert chosen.name == "native" and "DAF_BACKEND='native'" in chosen.reason
+    assert chosen.serial_twin().reason == chosen.reason
+    monkeypatch.delenv("DAF_BACKEND")
+    chosen = select_backend("auto")
+    assert chosen.name == "native" and "DAF_BACKEND" not in chosen.reason and "Config.backend='auto'" in chosen.reason
+
+
+def test_bad_backend_names_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        select_backend("fast")
+    monkeypatch.setenv("DAF_BACKEND", "fast")
+    with pytest.raises(ValueError, match="DAF_BACKEND must be one of"):
+        select_backend("auto")
+    assert select_backend("reference").name == "reference"  # not consulted for an explicit setting
 
 
 def test_training_with_native_and_reference_backends_gives_identical_gradients(extension):
@@ -54,3 +71,15 @@ def test_training_with_native_and_reference_backends_gives_identical_gradients(e
         assert daf.report(model).sections["codec"]["codec"] == f"minmax/{backend}"
         grads[backend] = [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads["native"], grads["reference"]))
+
+
+def test_without_kernels_auto_takes_the_reference_and_native_raises(monkeypatch):
+    import daf.kernels
+
+    monkeypatch.setattr(daf.kernels, "native_backend", lambda reason="": None)
+    monkeypatch.setattr(daf.kernels, "native_status", lambda: "not loaded: RuntimeError: no compiler here")
+    monkeypatch.delenv("DAF_BACKEND", raising=False)
+    chosen = select_backend("auto")
+    assert chosen.name == "reference" and "no compiler here" in chosen.reason
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        select_backend("native")

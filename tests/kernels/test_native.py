@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daf.codec import reference
+from daf.kernels import reference
 from daf.kernels.autotune import Autotuner
 from daf.kernels.backend import STRATEGIES, NativeBackend
 
@@ -48,7 +48,7 @@ def test_same_bytes_and_values_as_reference(native, dtype, bits):
 @given(numel=st.integers(1, 3000), log_group=st.integers(4, 10), bits=st.sampled_from(BITS),
        stochastic=st.booleans(), seed=st.integers(0, 2**63 - 1), scale=st.floats(1e-30, 1e30))
 def test_same_bytes_on_random_shapes_scales_and_seeds(extension, numel, log_group, bits, stochastic, seed, scale):
-    native = NativeBackend(extension, Autotuner(os.devnull, repeats=1))  # below the tuning size: never written
+    native = NativeBackend(Autotuner(os.devnull, repeats=1))  # below the tuning size: never written
     x = torch.randn(numel) * scale
     expected = reference.encode_flat(x, bits, 2**log_group, stochastic, seed)[0]
     assert torch.equal(native.encode_flat(x, bits, 2**log_group, stochastic, seed)[0], expected)

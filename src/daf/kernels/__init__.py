@@ -1,4 +1,8 @@
-"""Native CPU kernels for the format-1 codec, built on first use; the reference is the fallback.
+"""The format-1 codec's kernels: ops under ``torch.ops.daf``, the reference beside the C++ kernels.
+
+``daf.kernels.reference`` is the plain-PyTorch statement of the format, ``daf.kernels.ops``
+the ops (reference by default, C++ on CPU once built), ``daf.kernels.build`` the build.
+Nothing here imports ``daf.codec``: the codec sits on top.
 
 >>> isinstance(native_status(), str)
 True
@@ -16,17 +20,17 @@ if TYPE_CHECKING:
 __all__ = ["native_backend", "native_status"]
 
 
-def native_backend() -> NativeBackend | None:
+def native_backend(reason: str = "asked for by name") -> NativeBackend | None:
     """A new ``NativeBackend`` (with its own autotuner) or None when the kernels did not build.
 
+    ``reason``: why it is chosen, kept on the backend for reports.
     The first call in a process builds or loads the extension (a failure warns once).
     """
-    extension = load_extension()
-    if extension.module is None:
+    if load_extension().module is None:
         return None
     from daf.kernels.backend import NativeBackend
 
-    return NativeBackend(extension.module)
+    return NativeBackend(reason=reason)
 
 
 def native_status() -> str:

@@ -6,6 +6,8 @@ version into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 The SIMD flags follow ``torch.backends.cpu.get_cpu_capability()``: without the matching
 ``CPU_CAPABILITY`` defines ``at::vec::Vectorized`` silently falls back to its slow generic
 version.
+On success the kernels become the CPU implementation of the ``torch.ops.daf`` ops
+(``daf.kernels.ops.register_native``).
 """
 
 from __future__ import annotations
@@ -58,9 +60,9 @@ def simd_flags(capability: str) -> tuple[str, ...]:
 def load_extension() -> Extension:
     """Build or reload the kernels; never raises. O(build) the first time on a machine.
 
-    Cached per process on purpose: a loaded shared library is process-wide by nature,
-    and caching keeps the failure warning to one per process. All other state (the
-    autotuner and its decisions) lives in ``NativeBackend`` objects.
+    Cached per process on purpose: a loaded shared library is process-wide by nature, and so
+    is its op registration; caching keeps the failure warning to one per process. All other
+    state (the autotuner and its decisions) lives in ``NativeBackend`` objects.
     """
     capability = torch.backends.cpu.get_cpu_capability()
     flags = simd_flags(capability)
@@ -76,6 +78,9 @@ def load_extension() -> Extension:
             extra_include_paths=[str(SOURCE_DIR)],
             verbose=False,
         )
+        from daf.kernels.ops import register_native
+
+        register_native(module)
     except Exception as error:  # compiler missing, build error, loader error: all mean "use the reference"
         reason = f"{type(error).__name__}: {_first_line(error)}"
         warnings.warn(f"DAF native kernels unavailable, using the reference codec ({reason})",
