@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from daf.format import payload_bytes
+from daf.format import ALLOWED_BITS, payload_bytes
 from daf.kernels import reference
 
 __all__ = ["NAMESPACE", "STRATEGIES", "check_format", "encode_flat", "decode_flat", "decode_into", "native_takes",
@@ -56,8 +56,8 @@ torch.library.define(_DECODE_INTO, "(Tensor payload, int bits, int group_size, T
 
 def check_format(bits: int, group_size: int) -> None:
     """ValueError unless ``bits`` and ``group_size`` make whole-byte rows of format 1."""
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits must be one of (1, 2, 4, 8), got {bits}")
+    if bits not in ALLOWED_BITS:
+        raise ValueError(f"bits must be one of {ALLOWED_BITS}, got {bits}")
     if group_size < 1 or group_size * bits % 8:
         raise ValueError(f"group_size must be positive and fill whole bytes at {bits} bits, got {group_size}")
 
