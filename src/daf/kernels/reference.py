@@ -170,7 +170,8 @@ def decode_flat(
     exc_index: torch.Tensor | None = None,
     exc_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Unpack and dequantize format-1 rows: ``value = code * step + lo`` in float32, then cast.
+    """Unpack and dequantize format-1 rows: ``value = code * step + lo`` in float32, then cast (for float16,
+    after clamping to its finite range: see docs/format.md).
 
     payload uint8 [num_groups * row_bytes] -> dtype [numel]. O(numel).
     """
@@ -186,10 +187,18 @@ def decode_flat(
         chunk = rows[first:first + step]
         start = first * group_size
         stop = min(numel, start + chunk.shape[0] * group_size)
-        out[start:stop] = _decode_rows(chunk, bits)[: stop - start]
+        values = _decode_rows(chunk, bits)[: stop - start]
+        if dtype == torch.float16:
+            values = values.clamp_(-_HALF_MAX, _HALF_MAX)
+        out[start:stop] = values
     if exc_index is not None and exc_index.numel():
         out[exc_index] = exc_value.to(dtype)
     return out
+
+
+# The original elements were finite halves (the others are exceptions, restored exactly), but
+# lo + code * step with a step rounded up to bfloat16 can pass 65504 by a fraction of a step.
+_HALF_MAX = 65504.0
 
 
 def _decode_rows(rows: torch.Tensor, bits: int) -> torch.Tensor:

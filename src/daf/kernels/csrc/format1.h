@@ -153,6 +153,13 @@ inline const float* as_float(const T* src, int64_t n, float* buf) {
   }
 }
 
+// Decoded values clamped to half's finite range: the original elements were finite halves (others are
+// exceptions, restored exactly), but lo + code * step with a step rounded up to bfloat16 can pass
+// 65504 by a fraction of a step, which the cast would turn into inf.
+inline void clamp_to_half_range(float* v, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) v[j] = std::min(std::max(v[j], -65504.0f), 65504.0f);
+}
+
 // float32 -> T with round-to-nearest-even, as tensor.to(dtype) does.
 template <typename T>
 inline void from_float(const float* src, T* dst, int64_t n) {

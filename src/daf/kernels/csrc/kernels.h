@@ -158,6 +158,7 @@ void decode(const uint8_t* payload, T* out, Layout layout) {
       read_meta(row, lo, step);
       float* dst = std::is_same_v<T, float> ? reinterpret_cast<float*>(out + start) : buf;
       decode_span<BITS>(row + 4 + offset * BITS / 8, m, lo, step, dst);
+      if constexpr (std::is_same_v<T, c10::Half>) clamp_to_half_range(buf, m);
       if constexpr (!std::is_same_v<T, float>) from_float(buf, out + start, m);
     }
   });
