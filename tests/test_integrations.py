@@ -169,7 +169,7 @@ def test_averaged_model_ema_of_a_wrapped_model():
 # -- the framework callbacks -----------------------------------------------------------------
 
 def test_transformers_trainer_callback_wraps_compresses_and_logs(tmp_path):
-    transformers = pytest.importorskip("transformers")  # the "integrations" extra; installed by scripts/test.sh
+    import transformers  # the "integrations" extra, which scripts/test.sh installs
     from daf.integrations.transformers import DAFCallback
 
     torch.manual_seed(0)
@@ -189,7 +189,7 @@ def test_transformers_trainer_callback_wraps_compresses_and_logs(tmp_path):
 
 
 def test_transformers_callback_keeps_a_model_wrapped_before(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from daf.integrations.transformers import DAFCallback
 
     model = daf.wrap(transformers.BertForSequenceClassification(transformers.BertConfig(
@@ -206,7 +206,7 @@ def test_transformers_callback_keeps_a_model_wrapped_before(tmp_path):
 
 
 def test_lightning_callback_wraps_compresses_children_and_logs(tmp_path):
-    lightning = pytest.importorskip("lightning")  # the "integrations" extra; installed by scripts/test.sh
+    import lightning  # the "integrations" extra, which scripts/test.sh installs
     from daf.integrations.lightning import DAFCallback
 
     class Module(lightning.LightningModule):
@@ -242,10 +242,6 @@ SNIPPETS = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), flags=re.S | re
 
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[f"snippet{i}" for i in range(len(SNIPPETS))])
 def test_docs_snippet(snippet):
-    if "transformers" in snippet:
-        pytest.importorskip("transformers")
-    if "lightning" in snippet:
-        pytest.importorskip("lightning")
     if "torch.compile" in snippet:
         torch._dynamo.reset()
     exec(compile(snippet, str(DOC), "exec"), {"__name__": "docs_integrations"})

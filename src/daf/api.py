@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 import weakref
@@ -60,24 +61,25 @@ class _Attachment:
     A forward begins when a module of the tree runs forward in training on a thread where none of the
     tree is running: the root, or a child that a framework calls directly (``self.model.encoder(x)``).
     Parts that follow one another (an encoder, then a decoder) are one forward, for the report and the
-    policy, until a module of a part already run (or one containing it) begins one again. Nothing begins under eval, no_grad,
-    inference_mode, inside a compiled graph (with one warning) or in backward (checkpointing's
-    recomputation: what it saves goes to the checkpoint, not to DAF).
+    policy, until a module of a part already run (or one containing it) begins one again. Nothing begins
+    under eval, no_grad, inference_mode, inside a compiled graph (with one warning) or in backward
+    (checkpointing's recomputation: what it saves goes to the checkpoint, not to DAF).
 
     The session is closed by ``unwrap`` or, failing that, when the model is garbage-collected:
     nothing else would stop its threads and remove the policy's hooks. The finalizer holds the
     session, never the model, so it does not keep the model alive.
     """
 
-    def __init__(self, model: nn.Module, session: Session) -> None:
+    def __init__(self, model: nn.Module, session: Session, compiled: list[str]) -> None:
         self.session = session
         self._root = weakref.ref(model)
         self._local = threading.local()  # each thread's forward enters hooks of its own (autograd's are per thread)
         self._parts: set[int] = set()  # ids of the modules that began a part of the current forward
         self._covered: set[int] = set()  # ids of the modules under those
         self._subtrees: dict[int, frozenset[int]] = {}
-        self._compiled = {id(model.get_submodule(path)) for path in _compiled_parts(model)}
-        self._warned_compile = False
+        # a compiled module's graph saves tensors without history, which DAF keeps raw: it only adds work there
+        self._compiled = {id(model.get_submodule(path)) for path in compiled}
+        self._warned_compile = bool(compiled)  # wrap warned already
         self.handles = self._attach(model)
         self._finalizer = weakref.finalize(model, session.close)
 
@@ -177,8 +179,10 @@ COMPILED_WARNING = (
 
 def _compiled_parts(model: nn.Module) -> list[str]:
     """Paths of the compiled modules in ``model``'s tree ("" for the model itself)."""
-    from torch._dynamo.eval_frame import OptimizedModule  # deferred: importing dynamo costs a second
-    return [path for path, module in model.named_modules() if isinstance(module, OptimizedModule)]
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # dynamo never imported: nothing was compiled (and importing it costs seconds)
+        return []
+    return [path for path, module in model.named_modules() if isinstance(module, eval_frame.OptimizedModule)]
 
 
 def _config(config: Config | None, overrides: dict[str, Any]) -> Config:
@@ -219,9 +223,7 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
         what = ("this model is compiled with torch.compile" if "" in compiled
                 else f"{', '.join(compiled)} of this model run under torch.compile")
         warnings.warn(COMPILED_WARNING.format(what=what), stacklevel=2)
-    attachment = _Attachment(model, _session(config))
-    attachment._warned_compile = bool(compiled)
-    object.__setattr__(model, _ATTR, attachment)
+    object.__setattr__(model, _ATTR, _Attachment(model, _session(config), compiled))
     return model
 
 
