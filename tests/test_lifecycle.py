@@ -26,7 +26,6 @@ from daf.memory import HeapStore
 from daf.runtime import Session
 from tests.models import SmallCNN
 
-STORE_CONTRACT = pytest.mark.xfail(strict=True, reason="store close contract lands with the memory branch")
 
 
 def adaptive(**knobs: Any) -> daf.Config:
@@ -58,7 +57,7 @@ class ContractStore(HeapStore):
         self.closed = True
 
 
-@pytest.fixture(params=["contract", pytest.param("paged", marks=STORE_CONTRACT)])
+@pytest.fixture(params=["contract", "paged"])
 def store_kind(request, monkeypatch) -> str:
     """Sessions made by ``daf.wrap`` and ``daf.compress`` get a ``ContractStore`` or the real store."""
     if request.param == "contract":
@@ -165,7 +164,6 @@ def test_unwrap_stops_daf_threads(knobs):
     assert new_daf_threads(before) == []
 
 
-@STORE_CONTRACT
 def test_unwrap_before_backward_under_a_budget_reads_spilled_records_and_leaves_no_thread():
     torch.manual_seed(0)
     model = SmallCNN()
@@ -276,7 +274,6 @@ def test_an_exception_in_a_compress_block_closes_its_session():
     assert new_daf_threads(before) == [] and autograd_saves_tensors_as_they_are()
 
 
-@STORE_CONTRACT
 def test_backward_after_a_compress_block_under_a_budget_reads_spilled_records_and_leaves_no_thread():
     torch.manual_seed(0)
     model = SmallCNN()

@@ -72,7 +72,7 @@ def test_through_the_paged_store_with_demotion_and_spill(tmp_path):
     config = daf.Config(codec=daf.Division(), backend="reference", bits=8, budget="120KiB", min_bits=2,
                         spill_dir=str(tmp_path))
     codec = codes_codec(config, REFERENCE)
-    store = PagedStore(config, codec)
+    store = PagedStore(config, codec.reencode)
     torch.manual_seed(0)
     tensors = [torch.randn(2, 4, 64, 64) for _ in range(6)]
     refs = [store.put(codec.encode(t, Spec(8, i)), float(i), f"site{i}") for i, t in enumerate(tensors)]

@@ -13,19 +13,20 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import daf
-from daf.codec import Codec
+from daf.codec import MinMaxCodec, Spec
 from daf.config import Config
 from daf.format import payload_bytes
 from daf.memory import OutOfBudget, PagedStore, SpillError, make_store
 from daf.memory import spill as spill_module
 
 PAGE = 4096
+_REENCODE = MinMaxCodec(Config()).reencode  # what the session hands the store
 
 
-def _packed(numel: int, bits: int, seed: int = 0, codec: Codec | None = None):
-    codec = codec or Codec(Config(backend="reference"))
+def _packed(numel: int, bits: int, seed: int = 0, codec: MinMaxCodec | None = None):
+    codec = codec or MinMaxCodec(Config(backend="reference"))
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    return codec.encode(x, bits, seed)
+    return codec.encode(x, Spec(bits, seed))
 
 
 def _same(a, b) -> bool:
@@ -37,6 +38,12 @@ def _cost(packed) -> int:
     return -(-packed.payload.nbytes // PAGE) * PAGE
 
 
+def _spill_files(store: PagedStore) -> list[str]:
+    """The record files in the store's spill directory (beside them: the directory's marker)."""
+    directory = store._spill.directory
+    return [] if directory is None or not Path(directory).exists() else [p.name for p in Path(directory).glob("*.bin")]
+
+
 def _wait_for_reads(store: PagedStore) -> None:
     store._worker.submit(lambda: None).result()  # the single worker runs reads in order
     with store._locked():
@@ -44,8 +51,8 @@ def _wait_for_reads(store: PagedStore) -> None:
 
 
 def test_make_store_picks_the_paged_store_with_and_without_a_budget():
-    assert isinstance(make_store(Config(budget="1MiB"), Codec(Config())), PagedStore)
-    store = make_store(Config(), Codec(Config()))
+    assert isinstance(make_store(Config(budget="1MiB"), _REENCODE), PagedStore)
+    store = make_store(Config(), _REENCODE)
     assert isinstance(store, PagedStore) and store._worker is None and store._spill is None
 
 
@@ -53,7 +60,7 @@ def test_round_trip_without_budget_keeps_everything_exact_including_exceptions()
     store = PagedStore(Config(page_size=PAGE))
     x = torch.randn(5000)
     x[[3, 4000]] = torch.tensor([float("nan"), float("inf")])
-    originals = [Codec(Config()).encode(x, 2, 1)] + [_packed(n, b, n) for n, b in ((4096, 1), (30000, 8), (999, 4))]
+    originals = [MinMaxCodec(Config()).encode(x, Spec(2, 1))] + [_packed(n, b, n) for n, b in ((4096, 1), (30000, 8), (999, 4))]
     assert originals[0].exc_index is not None
     refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
     store._check()
@@ -71,7 +78,7 @@ def test_round_trip_without_budget_keeps_everything_exact_including_exceptions()
 def test_spill_round_trip_through_the_store_is_bit_exact():
     originals = [_packed(8192 + 512 * i, 2, i) for i in range(12)]
     budget = 3 * _cost(originals[0])
-    store = PagedStore(Config(page_size=PAGE, budget=budget, min_bits=2), Codec(Config()))
+    store = PagedStore(Config(page_size=PAGE, budget=budget, min_bits=2), _REENCODE)
     refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
     store._check()
     stats = store.stats()
@@ -83,15 +90,15 @@ def test_spill_round_trip_through_the_store_is_bit_exact():
     stats = store.stats()
     assert stats["prefetch_hits"] + stats["prefetch_misses"] == stats["spills"]
     assert stats["prefetches"] > 0 and stats["records"] == 0
-    assert not Path(store._spill.directory).exists() or not any(Path(store._spill.directory).iterdir())
+    assert not _spill_files(store)
     store.close()
 
 
 def test_demotion_goes_first_least_important_first_down_to_min_bits():
-    codec = Codec(Config())
+    codec = MinMaxCodec(Config())
     originals = [_packed(16384, 8, i) for i in range(4)]
     eight, four = _cost(originals[0]), _cost(_packed(16384, 4))
-    store = PagedStore(Config(page_size=PAGE, budget=3 * eight + four, min_bits=2), codec)
+    store = PagedStore(Config(page_size=PAGE, budget=3 * eight + four, min_bits=2), codec.reencode)
     refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
     store._check()
     bits = [store.get(r).bits for r in refs]
@@ -111,7 +118,7 @@ def _with_nan(numel: int, seed: int = 0):
     """A 2-bit record with a one-element exception side table (12 B that stay in memory)."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
     x[3] = float("nan")
-    return Codec(Config(backend="reference")).encode(x, 2, seed)
+    return MinMaxCodec(Config(backend="reference")).encode(x, Spec(2, seed))
 
 
 def _full_disk(fd, data):
@@ -123,7 +130,7 @@ def test_a_record_as_large_as_the_budget_goes_straight_to_disk_and_is_read_back_
     exceptions, with nothing on disk. Before, put raised OutOfBudget."""
     big = _packed(60000, 2, 1)
     budget = _cost(big)
-    store = PagedStore(Config(page_size=PAGE, budget=budget, min_bits=2), Codec(Config()))
+    store = PagedStore(Config(page_size=PAGE, budget=budget, min_bits=2), _REENCODE)
     small, after = _with_nan(5000), _packed(500, 2, 2)
     refs = [store.put(small, 0.0, "small#0"), store.put(big, 1.0, "big#0"), store.put(after, 2.0, "after#0")]
     store._check()
@@ -142,7 +149,7 @@ def test_a_record_as_large_as_the_budget_goes_straight_to_disk_and_is_read_back_
         store._check()
     stats = store.stats()
     assert stats["staged_reads"] == 1 and stats["staged_bytes"] == 0 and stats["records"] == 0
-    assert not any(Path(store._spill.directory).iterdir())
+    assert not _spill_files(store)
     store.close()
 
 
@@ -150,8 +157,8 @@ def test_a_record_written_straight_to_disk_comes_back_into_the_pool_when_it_fits
     big = _packed(60000, 2, 1)
     x = torch.randn(5000)
     x[:400] = float("nan")  # 4800 B of exceptions: more than a page that cannot leave memory
-    small, after = Codec(Config()).encode(x, 2, 0), _packed(500, 2, 2)
-    store = PagedStore(Config(page_size=PAGE, budget=_cost(big) + PAGE, min_bits=2), Codec(Config()))
+    small, after = MinMaxCodec(Config()).encode(x, Spec(2, 0)), _packed(500, 2, 2)
+    store = PagedStore(Config(page_size=PAGE, budget=_cost(big) + PAGE, min_bits=2), _REENCODE)
     refs = [store.put(small, 0.0, "small#0"), store.put(big, 1.0, "big#0"), store.put(after, 2.0, "after#0")]
     assert store._records[refs[1]].direct
     store.release(refs[0])  # its side table goes (a saved tensor backward does not use)
@@ -168,7 +175,7 @@ def test_a_record_written_straight_to_disk_comes_back_into_the_pool_when_it_fits
 
 def test_a_record_larger_than_the_budget_is_read_at_get_when_the_worker_has_not_brought_it():
     originals = [_packed(60000, 2, i) for i in range(3)]  # each larger than the budget
-    store = PagedStore(Config(page_size=PAGE, budget=2 * PAGE, min_bits=2), Codec(Config()))
+    store = PagedStore(Config(page_size=PAGE, budget=2 * PAGE, min_bits=2), _REENCODE)
     refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
     for ref, original in zip(refs, originals):  # out of backward order: only the next needed is read ahead
         assert _same(store.get(ref), original)
@@ -181,11 +188,11 @@ def test_a_record_larger_than_the_budget_is_read_at_get_when_the_worker_has_not_
         store.release(ref)
     _wait_for_reads(store)
     store._check()
-    assert store.stats()["staged_bytes"] == 0 and not any(Path(store._spill.directory).iterdir())
+    assert store.stats()["staged_bytes"] == 0 and not _spill_files(store)
 
 
 def test_a_record_larger_than_the_budget_raises_out_of_budget_when_the_disk_cannot_take_it(monkeypatch):
-    store = PagedStore(Config(page_size=PAGE, budget=4 * PAGE, min_bits=1), Codec(Config()))
+    store = PagedStore(Config(page_size=PAGE, budget=4 * PAGE, min_bits=1), _REENCODE)
     kept = _packed(4096, 8, 0)
     ref = store.put(kept, 0.0, "small#0")
     monkeypatch.setattr(spill_module, "_write_all", _full_disk)
@@ -200,14 +207,14 @@ def test_a_record_larger_than_the_budget_raises_out_of_budget_when_the_disk_cann
     assert isinstance(caught.value.__cause__, SpillError)
     stats = store.stats()  # nothing has changed
     assert stats["demotions"] == stats["spills"] == stats["direct_spills"] == 0 and stats["records"] == 1
-    assert _same(store.get(ref), kept) and not any(Path(store._spill.directory).iterdir())
+    assert _same(store.get(ref), kept) and not _spill_files(store)
     store._check()
 
 
 def test_a_record_whose_exception_side_table_alone_passes_the_budget_raises_out_of_budget():
     x = torch.full((5000,), float("nan"))  # 5000 exceptions: a side table larger than the budget
-    packed = Codec(Config()).encode(x, 2, 0)
-    store = PagedStore(Config(page_size=PAGE, budget=4 * PAGE, min_bits=2), Codec(Config()))
+    packed = MinMaxCodec(Config()).encode(x, Spec(2, 0))
+    store = PagedStore(Config(page_size=PAGE, budget=4 * PAGE, min_bits=2), _REENCODE)
     with pytest.raises(daf.OutOfBudget, match=r"side table stays in memory"):
         store.put(packed, 0.0, "nan#0")
     assert store.stats()["spills"] == 0 and len(store) == 0
@@ -216,7 +223,7 @@ def test_a_record_whose_exception_side_table_alone_passes_the_budget_raises_out_
 
 def test_an_incoming_record_less_important_than_the_rest_is_the_one_spilled():
     originals = [_packed(8192, 2, i) for i in range(3)]
-    store = PagedStore(Config(page_size=PAGE, budget=2 * _cost(originals[0]), min_bits=2), Codec(Config()))
+    store = PagedStore(Config(page_size=PAGE, budget=2 * _cost(originals[0]), min_bits=2), _REENCODE)
     refs = [store.put(originals[0], 5.0, "a#0"), store.put(originals[1], 6.0, "b#0"),
             store.put(originals[2], 1.0, "c#0")]  # least important arrives last
     records = store._records
@@ -228,7 +235,7 @@ def test_an_incoming_record_less_important_than_the_rest_is_the_one_spilled():
 def test_corrupted_spill_file_is_detected_on_the_way_back(tmp_path):
     originals = [_packed(8192, 2, i) for i in range(4)]
     store = PagedStore(Config(page_size=PAGE, budget=_cost(originals[0]), min_bits=2, spill_dir=str(tmp_path)),
-                       Codec(Config()))
+                       _REENCODE)
     refs = [store.put(p, float(i), f"block{i}#0") for i, p in enumerate(originals)]
     for record in store._records.values():
         if record.spilled is not None:
@@ -244,12 +251,12 @@ def test_corrupted_spill_file_is_detected_on_the_way_back(tmp_path):
         store.release(ref)
     _wait_for_reads(store)
     store._check()
-    assert not any(Path(store._spill.directory).iterdir())
+    assert not _spill_files(store)
 
 
 def test_release_while_a_read_is_in_flight_frees_everything_when_it_ends():
     originals = [_packed(65536, 2, i) for i in range(6)]
-    store = PagedStore(Config(page_size=PAGE, budget=2 * _cost(originals[0]), min_bits=2), Codec(Config()))
+    store = PagedStore(Config(page_size=PAGE, budget=2 * _cost(originals[0]), min_bits=2), _REENCODE)
     refs = [store.put(p, float(i), f"s#{i}") for i, p in enumerate(originals)]
     store.get(refs[5])
     for ref in refs:
@@ -261,7 +268,7 @@ def test_release_while_a_read_is_in_flight_frees_everything_when_it_ends():
 
 
 def test_stats_carry_the_pool_and_budget_figures():
-    store = PagedStore(Config(page_size=PAGE, budget="1MiB"), Codec(Config()))
+    store = PagedStore(Config(page_size=PAGE, budget="1MiB"), _REENCODE)
     ref = store.put(_packed(5000, 2), 0.0, "a#0")
     stats = store.stats()
     for key in ("pool_reserved_bytes", "pool_in_use_bytes", "internal_fragmentation", "demotions", "spills",
@@ -312,7 +319,7 @@ class BudgetMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = PagedStore(Config(page_size=PAGE, budget=6 * PAGE, min_bits=2), Codec(Config()))
+        self.store = PagedStore(Config(page_size=PAGE, budget=6 * PAGE, min_bits=2), _REENCODE)
         self.live: dict[int, object] = {}
         self.seq = 0
 

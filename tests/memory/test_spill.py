@@ -14,6 +14,7 @@ import torch
 
 from daf.memory import SpillError
 from daf.memory import spill as spill_module
+from daf.memory import spilldir
 from daf.memory.spill import SpillStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +70,7 @@ def test_a_full_disk_raises_a_clear_error_and_leaves_no_partial_file(tmp_path, m
     with pytest.raises(SpillError, match=r"no space left.*'b#1'.*Config.spill_dir") as caught:
         store.write(1, [_random_bytes(10)], "b#1")
     assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.ENOSPC
-    assert sorted(os.listdir(store.directory)) == ["0.bin"]
+    assert sorted(os.listdir(store.directory)) == ["0.bin", spilldir.MARKER]
 
 
 def test_directory_is_removed_on_close_and_when_the_store_is_collected(tmp_path):

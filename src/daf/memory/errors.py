@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["OutOfBudget", "SpillError"]
+__all__ = ["OutOfBudget", "SpillError", "StoreClosed"]
 
 
 def _mib(n: int) -> str:
@@ -24,4 +24,16 @@ class OutOfBudget(MemoryError):
 
 
 class SpillError(RuntimeError):
-    """Spilled activation data could not be written or came back different from what was written."""
+    """Spilled activation data could not be written, could not be read back or came back different from
+    what was written. The message names the activation's site and the file."""
+
+
+class StoreClosed(RuntimeError):
+    """An activation was to be stored after the store was closed (its session closed, its model unwrapped)."""
+
+    def __init__(self, site: str) -> None:
+        self.site = site
+        super().__init__(
+            f"DAF's activation store is closed (its model was unwrapped or its session closed), so activation "
+            f"{site!r} cannot be stored; records stored before stay readable until released. Run forward "
+            f"through a wrapped model, or wrap it again")

@@ -16,6 +16,11 @@ The budget counts pages in use (whole pages) plus the exception side tables, whi
 stay in ordinary memory beside their records. Decoding and demotion need transient
 memory for one decoded activation outside the budget, like any ``get``; so does the
 payload of a record larger than the budget once it is read back (``staged_bytes``).
+
+``close`` stops the worker and refuses further puts; what was put stays readable until released
+(backward may run after the model is unwrapped), and the pools and the spill directory go with the
+last release. Demotion goes through the ``reencode`` callable the store is given, so the memory layer
+does not depend on the codec.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,13 +40,16 @@ import torch
 
 from daf.config import Config
 from daf.format import Packed, payload_bytes
-from daf.memory.errors import OutOfBudget, SpillError
+from daf.memory.errors import OutOfBudget, SpillError, StoreClosed
 from daf.memory.index import ImportanceIndex, by_importance, by_need
 from daf.memory.pool import PagePool
 from daf.memory.spill import SpillHandle, SpillStore
 from daf.memory.store import lookup
 
-__all__ = ["PagedStore"]
+__all__ = ["PagedStore", "Reencode"]
+
+Reencode = Callable[[Packed, int, int], Packed]
+"""``reencode(packed, bits, seed)``: the same values coded at fewer ``bits`` (a codec's ``reencode``)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,7 +70,8 @@ class _Record:
     direct: bool = False  # on disk since its put, when it could not fit in the pool; read back when next needed
     awaited: bool = False  # spilled since backward last asked for it: its next get is a hit or a miss
     released: bool = False
-    error: BaseException | None = None
+    failure: str | None = None  # why its read back failed: a message, never the exception (its traceback
+    # would hold backward's frames, and through them the graph whose release would free this record)
 
     @property
     def side_bytes(self) -> int:
@@ -97,11 +106,14 @@ class PagedStore:
     view into the pool: it stays valid until the next ``put`` or ``release``.
     """
 
-    def __init__(self, config: Config, codec: Any = None) -> None:
+    def __init__(self, config: Config, reencode: Reencode | None = None) -> None:
+        if reencode is not None and not callable(reencode):
+            raise TypeError(f"PagedStore's reencode must be a callable (packed, bits, seed) -> Packed such as "
+                            f"codec.reencode, or None; got {type(reencode).__name__}")
         self.page_size = config.page_size
         self.budget = config.budget
         self.min_bits = config.min_bits
-        self._codec = codec
+        self._reencode_with = reencode  # None: never demote, only spill
         self._seed = config.seed
         self._pools: dict[torch.device, PagePool] = {}
         self._records: dict[int, _Record] = {}
@@ -121,6 +133,7 @@ class PagedStore:
         self._payload = 0  # payload bytes of every record, wherever it is
         self._high_water = 0
         self._in_backward = False
+        self._closed = False
         self.counters = dict.fromkeys(("demotions", "demoted_bytes_saved", "spills", "spilled_bytes", "direct_spills",
                                        "prefetches", "prefetch_hits", "prefetch_misses", "staged_reads"), 0)
         self.seconds = dict.fromkeys(("demote_seconds", "spill_write_seconds", "spill_wait_seconds"), 0.0)
@@ -144,6 +157,8 @@ class PagedStore:
         """Keep ``packed``; return its reference. Under a budget it may demote and spill (``packed`` itself
         straight to disk when it cannot fit at all), and raises ``OutOfBudget`` when the disk cannot take it."""
         with self._locked():
+            if self._closed:
+                raise StoreClosed(site)
             self._in_backward = False
             record = _Record(self._next_ref, self._next_ref, site, float(importance), _header(packed),
                              packed.payload.nbytes)
@@ -167,7 +182,8 @@ class PagedStore:
             record = lookup(self._records, ref)
             self._in_backward = True
             self._unasked.discard(record)  # first, so the next record it hands to the worker is the one after
-            self._schedule_prefetch()
+            if self._worker is not None:
+                self._schedule_prefetch()
             loading = record.loading
             if loading is None:
                 return self._resident_or_read(record)
@@ -219,8 +235,8 @@ class PagedStore:
         record.pages = None
 
     def _resident_or_read(self, record: _Record, waited: bool = False) -> Packed:
-        if record.error is not None:
-            raise record.error
+        if record.failure is not None:
+            raise SpillError(record.failure)  # a fresh one each time: nothing here keeps a traceback
         if record.awaited:
             hit = (record.pages is not None or record.staged is not None) and not waited
             self.counters["prefetch_hits" if hit else "prefetch_misses"] += 1
@@ -231,7 +247,12 @@ class PagedStore:
             payload = record.staged
         else:  # spilled and not read back yet: read it here, into memory outside the pool
             started = time.perf_counter()
-            payload = self._spill.read(record.spilled, record.site, record.device)
+            try:
+                payload = self._spill.read(record.spilled, record.site, record.device)
+            except SpillError as error:
+                record.failure = str(error)
+                self._spilled.discard(record)  # the worker must not try it again
+                raise SpillError(record.failure) from None
             self.seconds["spill_wait_seconds"] += time.perf_counter() - started
         return dataclasses.replace(record.header, payload=payload)
 
@@ -279,7 +300,7 @@ class PagedStore:
     def _fewest(self, record: _Record, packed: Packed) -> tuple[int, int]:
         """(bits, page bytes) of the record demoted as far as demotion goes (each step must free a page). O(1)."""
         bits, smallest = packed.bits, self._cost(record.nbytes)
-        while self._codec is not None and bits > self.min_bits:
+        while self._reencode_with is not None and bits > self.min_bits:
             fewer = max(self.min_bits, bits // 2)
             cost = self._cost(payload_bytes(packed.numel, fewer, packed.group_size))
             if cost >= smallest:
@@ -306,7 +327,7 @@ class PagedStore:
     def _can_demote(self, record: _Record) -> bool:
         """Whether halving the record's bits (not below min_bits) would free at least one page."""
         header = record.header
-        if self._codec is None or header.bits <= self.min_bits:
+        if self._reencode_with is None or header.bits <= self.min_bits:
             return False
         fewer = payload_bytes(header.numel, max(self.min_bits, header.bits // 2), header.group_size)
         return self._cost(fewer) < self._cost(record.nbytes)
@@ -316,7 +337,7 @@ class PagedStore:
         bits = max(self.min_bits, packed.bits // 2)
         self.counters["demotions"] += 1
         seed = zlib.crc32(struct.pack("<QQ", self._seed, self.counters["demotions"]))
-        demoted = self._codec.reencode(packed, bits, seed)
+        demoted = self._reencode_with(packed, bits, seed)
         self.counters["demoted_bytes_saved"] += packed.nbytes - demoted.nbytes
         self.seconds["demote_seconds"] += time.perf_counter() - started
         return demoted
@@ -350,20 +371,21 @@ class PagedStore:
     def _schedule_prefetch(self) -> None:
         """Start reading spilled records back, next needed first, while they fit in the budget; then the
         next record backward will ask for if it went straight to disk."""
-        while len(self._spilled):
+        while len(self._spilled) and self._worker is not None:
             record = self._spilled.least()
             if self._used + self._cost(record.nbytes) > self.budget:
                 break
             self._spilled.remove(record)
             self._start_read(record, into_pool=True)
-        self._read_back_direct()
+        if self._worker is not None:
+            self._read_back_direct()
 
     def _read_back_direct(self) -> None:
         """Start reading the next record backward needs if it went straight to disk: into the pool if it
         fits now, else into a buffer outside the pool, one at a time (so at most one record's payload is
         held outside the budget, only from when backward has asked for the record before it)."""
         record = self._unasked.least()
-        if record is None or not record.direct or record.loading is not None or record.error is not None:
+        if record is None or not record.direct or record.loading is not None or record.failure is not None:
             return
         into_pool = self._used + self._cost(record.nbytes) <= self.budget
         if into_pool or self._staged_bytes == 0:
@@ -381,22 +403,40 @@ class PagedStore:
             self._staged_bytes += record.nbytes
             self.counters["staged_reads"] += 1
             segments = [record.staged]
-        record.loading = self._worker.submit(self._load, record, segments)
+        try:
+            record.loading = self._worker.submit(self._load, record, segments)
+        except RuntimeError:  # the interpreter is exiting (releases from garbage collection): no more threads
+            self._worker = None  # from now on a get reads the file itself
+            self._cancel_read(record)
+            return
         self.counters["prefetches"] += 1
+
+    def _cancel_read(self, record: _Record) -> None:
+        """Undo ``_start_read`` for a read the worker never got: the record is spilled as before."""
+        if record.pages is not None:
+            self._loading -= len(record.pages) * self.page_size
+        else:
+            self.counters["staged_reads"] -= 1
+        self._drop_copy(record)
+        if not record.direct:
+            self._spilled.add(record)
 
     def _load(self, record: _Record, segments: list[torch.Tensor]) -> None:
         """Worker thread: read one spilled record into the pages or the buffer reserved for it."""
-        error = None
+        failure = None
         try:
             self._spill.read_into(record.spilled, segments, record.site)
-        except BaseException as caught:  # handed to whoever asks for the record
-            error = caught
+        except SpillError as caught:  # its message goes to whoever asks for the record
+            failure = str(caught)
+        except BaseException as caught:
+            failure = (f"DAF could not read back spilled activation {record.site!r} from "
+                       f"{record.spilled.path!r}: {type(caught).__name__}: {caught}")
         with self._locked():
             record.loading = None
             if record.pages is not None:
                 self._loading -= len(record.pages) * self.page_size
-            if record.released or error is not None:
-                record.error = error
+            if record.released or failure is not None:
+                record.failure = failure
                 self._drop_copy(record)
                 if record.released:
                     self._spill.remove(record.spilled)
@@ -432,8 +472,9 @@ class PagedStore:
         if record.spilled is not None:
             self._spilled.discard(record)
             self._spill.remove(record.spilled)
-        if self._in_backward and self.budget is not None:
+        if self._in_backward and self._worker is not None:
             self._schedule_prefetch()
+        self._free_when_closed_and_empty()
 
     def stats(self) -> dict[str, Any]:
         """Figures for ``daf.report``'s "store" section (bytes unless named otherwise)."""
@@ -457,15 +498,30 @@ class PagedStore:
             return figures
 
     def close(self) -> None:
-        """Wait for reads in flight, free every page and remove the spill directory."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
+        """Stop the prefetch worker and refuse further puts (``StoreClosed``). Idempotent.
+
+        Records already put stay readable until released, because backward may run after the model is
+        unwrapped (a spilled one is then read at its ``get``). The pool's memory and the spill directory
+        go with the last release, or now if nothing is left.
+        """
         with self._locked():
-            self._records.clear()
-            self._resident, self._demotable = ImportanceIndex(by_importance), ImportanceIndex(by_importance)
-            self._spilled, self._unasked = ImportanceIndex(by_need), ImportanceIndex(by_need)
-            self._pools.clear()
-            self._side = self._payload = self._loading = self._staged_bytes = 0
+            self._closed = True
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)  # outside the lock: a read in flight takes it to finish
+        with self._locked():
+            self._free_when_closed_and_empty()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _free_when_closed_and_empty(self) -> None:
+        """Once closed and empty: give back every pool's memory and remove the spill directory."""
+        if not self._closed or self._records:
+            return
+        self._pools.clear()
+        self._side = self._payload = self._loading = self._staged_bytes = 0
         if self._spill is not None:
             self._spill.close()
 
@@ -480,14 +536,14 @@ class PagedStore:
                 state = (record.pages is not None, record.spilled is not None, record.loading is not None)
                 # resident, spilled, loading into the pool, loading outside it, read back outside it
                 assert state in ((True, False, False), (False, True, False), (True, True, True), (False, True, True),
-                                 (False, False, False)) or record.error is not None, (ref, state)
+                                 (False, False, False)) or record.failure is not None, (ref, state)
                 assert (record.staged is not None) == (state in ((False, True, True), (False, False, False))), ref
                 assert not record.direct or record.spilled is not None, ref
                 resident = state == (True, False, False)
                 assert (record in self._resident) == resident
                 assert (record in self._demotable) == (resident and self._can_demote(record))
                 assert (record in self._spilled) == (
-                    state == (False, True, False) and record.error is None and not record.direct)
+                    state == (False, True, False) and record.failure is None and not record.direct)
                 if record.pages is not None:
                     assert len(record.pages) == -(-record.nbytes // self.page_size)
                     used += len(record.pages) * self.page_size

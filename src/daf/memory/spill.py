@@ -1,9 +1,11 @@
 """The spill store: activation payloads written to disk under a memory budget, checked on the way back.
 
-One private directory per store (mode 0700, created at the first spill under
-``Config.spill_dir`` or the system temp dir), one file per record (mode 0600), one
-CRC-32 per record verified on every read. The directory goes away when the store is
-closed, garbage-collected (after an exception, with its session) or at exit.
+One private directory per store (``daf-spill-<pid>-<random>``, mode 0700, created at the
+first spill under ``Config.spill_dir`` or the system temp dir), one file per record (mode
+0600), one CRC-32 per record verified on every read. The directory goes away when the store
+is closed, garbage-collected (after an exception, with its session), at exit or on SIGTERM;
+one left by a killed process is removed by the next store to start under the same parent
+(``spilldir``).
 
 >>> import tempfile
 >>> spill = SpillStore(tempfile.gettempdir())
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import tempfile
 import weakref
 import zlib
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from daf.memory import spilldir
 from daf.memory.errors import SpillError
 
 __all__ = ["SpillStore", "SpillHandle"]
@@ -60,15 +62,19 @@ class SpillStore:
         self._finalizer: weakref.finalize | None = None
         self.bytes_on_disk = 0
         self.files = 0
+        self.swept = spilldir.sweep_stale(self._parent())  # what killed processes left under the same parent
+        spilldir.install_sigterm_cleanup()
+
+    def _parent(self) -> str:
+        return self.parent if self.parent is not None else tempfile.gettempdir()
 
     def _ensure_directory(self) -> str:
         if self.directory is None:
-            parent = self.parent if self.parent is not None else tempfile.gettempdir()
+            parent = self._parent()
             if not os.path.isdir(parent):
                 raise ValueError(f"Config.spill_dir must be an existing directory, got {parent!r}")
-            self.directory = tempfile.mkdtemp(prefix="daf-spill-", dir=parent)
-            os.chmod(self.directory, 0o700)
-            self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+            self.directory = spilldir.create(parent)
+            self._finalizer = weakref.finalize(self, spilldir.remove, self.directory, os.getpid())
         return self.directory
 
     def write(self, key: int, segments: list[torch.Tensor], site: str) -> SpillHandle:
@@ -110,25 +116,41 @@ class SpillStore:
     def read_into(self, handle: SpillHandle, segments: list[torch.Tensor], site: str) -> None:
         """Fill ``segments`` (uint8 views, any device, ``handle.nbytes`` in all) with the record's bytes.
 
-        O(nbytes). Raises ``SpillError`` naming ``site`` if the bytes are short or do not match their CRC-32.
+        O(nbytes). Raises ``SpillError`` naming ``site`` and the file if the bytes are short, long or do not
+        match their CRC-32, or the file cannot be read (deleted while training, an I/O error).
         """
         if sum(s.numel() for s in segments) != handle.nbytes:
             raise ValueError(f"segments hold {sum(s.numel() for s in segments)} bytes, the record {handle.nbytes}")
+        try:
+            crc = self._read_checked(handle, segments, site)
+        except FileNotFoundError as error:
+            raise SpillError(f"DAF could not read back spilled activation {site!r}: its spill file "
+                             f"{handle.path!r} is gone (removed while training?)") from error
+        except OSError as error:
+            raise SpillError(f"DAF could not read back spilled activation {site!r} from {handle.path!r}: "
+                             f"{error}") from error
+        if crc != handle.crc:
+            raise SpillError(f"DAF: spilled activation {site!r} is corrupted on disk ({handle.path!r}): "
+                             f"CRC-32 {crc:#010x}, expected {handle.crc:#010x} as written; the file changed "
+                             f"after DAF wrote it")
+
+    def _read_checked(self, handle: SpillHandle, segments: list[torch.Tensor], site: str) -> int:
+        """Read the file into ``segments``; its CRC-32. ``SpillError`` if it is shorter or longer than written."""
         crc = 0
         with open(handle.path, "rb", buffering=0) as f:
             for segment in segments:
                 host = segment if segment.device.type == "cpu" else torch.empty_like(segment, device="cpu")
                 data = memoryview(host.numpy()).cast("B")
                 if f.readinto(data) != len(data):
-                    raise SpillError(f"spilled activation {site!r} is truncated on disk ({handle.path})")
+                    raise SpillError(f"DAF: spilled activation {site!r} is truncated on disk ({handle.path!r}): "
+                                     f"shorter than the {handle.nbytes} B written")
                 crc = zlib.crc32(data, crc)
                 if host is not segment:
                     segment.copy_(host)
             if f.read(1):
-                raise SpillError(f"spilled activation {site!r} has extra bytes on disk ({handle.path})")
-        if crc != handle.crc:
-            raise SpillError(f"spilled activation {site!r} is corrupted on disk: CRC-32 {crc:#010x}, "
-                             f"written {handle.crc:#010x} ({handle.path})")
+                raise SpillError(f"DAF: spilled activation {site!r} has extra bytes on disk ({handle.path!r}): "
+                                 f"longer than the {handle.nbytes} B written")
+        return crc
 
     def read(self, handle: SpillHandle, site: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """The record's bytes: uint8 [nbytes] on ``device``, verified like ``read_into``. O(nbytes)."""
@@ -137,11 +159,11 @@ class SpillStore:
         return out
 
     def remove(self, handle: SpillHandle) -> None:
-        """Delete the record's file. O(1)."""
+        """Delete the record's file (once per handle; one already gone counts as deleted). O(1)."""
         try:
             os.unlink(handle.path)
         except FileNotFoundError:
-            return
+            pass
         self.bytes_on_disk -= handle.nbytes
         self.files -= 1
 

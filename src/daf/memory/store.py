@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol, TypeVar
 
 from daf.format import Packed
+from daf.memory.errors import StoreClosed
 
 __all__ = ["Store", "HeapStore", "lookup"]
 
@@ -35,7 +36,10 @@ class Store(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Refuse further puts (``StoreClosed``) and stop any worker thread; records already put stay
+        readable until released (backward may run after the model is unwrapped), and the store's memory
+        goes with the last of them. Idempotent."""
 
 
 class HeapStore:
@@ -46,8 +50,11 @@ class HeapStore:
         self._next_ref = 0
         self._in_use = 0
         self._high_water = 0
+        self._closed = False
 
     def put(self, packed: Packed, importance: float, site: str) -> int:
+        if self._closed:
+            raise StoreClosed(site)
         ref = self._next_ref
         self._next_ref += 1
         self._records[ref] = packed
@@ -70,5 +77,4 @@ class HeapStore:
         return {"records": len(self._records), "bytes_in_use": self._in_use, "high_water_bytes": self._high_water}
 
     def close(self) -> None:
-        self._records.clear()
-        self._in_use = 0
+        self._closed = True  # each record is its own allocation: it is freed by its release

@@ -106,7 +106,7 @@ class Session:
         self.config = config
         self.codecs = codecs if codecs is not None else Codecs(config)
         self.policy = policy if policy is not None else make_policy(config)
-        self.store = store if store is not None else make_store(config, self.codecs)
+        self.store = store if store is not None else make_store(config, self.codecs.reencode)
         self.sites = SiteTracker()
         self.accounting = Accounting()
         self.forwards = 0
