@@ -73,7 +73,8 @@ def test_children_under_eval_no_grad_or_inference_mode_store_nothing():
     assert daf.report(model).rows == [] and daf.session_of(model).forwards == 0
 
 
-def test_checkpoint_recomputation_in_backward_begins_no_forward():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recomputation_in_backward_begins_no_forward(reentrant):
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3))
 
     class Net(nn.Module):
@@ -83,15 +84,20 @@ def test_checkpoint_recomputation_in_backward_begins_no_forward():
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for block in self.blocks:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
             return x
 
-    model = daf.wrap(Net(), bits=4, min_numel=1)
-    loss = model(_x()).square().mean()
+    plain = copy.deepcopy(Net())
+    model = daf.wrap(Net(), bits=8, rounding="nearest", min_numel=1)
+    x = _x().requires_grad_(reentrant)  # the reentrant variant needs an input that requires grad
+    loss = model(x).square().mean()
     before = [r.site for r in daf.report(model).rows]
-    loss.backward()
-    assert [r.site for r in daf.report(model).rows] == before and len(before) == 3
-    assert daf.session_of(model).forwards == 1
+    loss.backward()  # (reentrant checkpointing does not support torch.autograd.grad)
+    assert len(before) == (2 if reentrant else 3)  # the blocks' inputs (a leaf that requires grad has no row)
+    assert daf.session_of(model).forwards == 1 and [r.site for r in daf.report(model).rows] == before
+    plain(x).square().mean().backward()
+    got, expected = (torch.cat([p.grad.flatten() for p in m.parameters()]) for m in (model, plain))
+    assert float(nn.functional.cosine_similarity(got, expected, dim=0)) > 0.9999
 
 
 # -- torch.compile ----------------------------------------------------------------------------
@@ -120,6 +126,12 @@ def test_compile_in_either_order_warns_once_and_trains_uncompressed(order):
     assert daf.report(wrapped).stored_bytes == 0  # pinned: nothing compressed (yet) under compile
     expected = _grads(plain, plain(_x()).square().mean())
     assert float(nn.functional.cosine_similarity(got, expected, dim=0)) > 0.9999
+
+
+def test_wrap_names_compiled_children():
+    model = nn.Sequential(nn.Linear(4, 4), torch.compile(nn.Linear(4, 4)))
+    with pytest.warns(UserWarning, match=r"^DAF: 1 of this model run under torch.compile, and DAF compresses nothing"):
+        daf.wrap(model)
 
 
 # -- copies -----------------------------------------------------------------------------------
