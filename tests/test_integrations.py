@@ -265,3 +265,12 @@ def test_docs_cover_every_topic_and_readme_links_them():
                   "Gradient checkpointing", "save_on_cpu", "Copies and EMA", "state_dict"]:
         assert f"## {topic}" in text, topic
     assert "docs/integrations.md" in (DOC.parents[1] / "README.md").read_text()
+
+
+def test_the_core_never_imports_the_frameworks():
+    import subprocess
+    import sys
+    child = ("import sys, torch, daf; daf.wrap(torch.nn.Linear(2, 2)); "
+             "print([m for m in ('lightning', 'transformers', 'daf.integrations') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
