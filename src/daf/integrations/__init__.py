@@ -2,7 +2,7 @@
 ``Trainer``) and ``daf.integrations.lightning.DAFCallback`` (Lightning ``Trainer``).
 
 Each lives in its own module and imports its framework there: ``import daf`` never imports
-``transformers`` or ``lightning`` (they are optional: ``pip install daf[integrations]``).
+``transformers`` or ``lightning`` (they are optional: DAF's ``integrations`` extra installs them).
 See docs/integrations.md.
 """
 
