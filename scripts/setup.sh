@@ -1,6 +1,7 @@
 # Sourced by demo.sh and test.sh: a virtual environment with torch 2.13.0 (CPU) and DAF.
 # torch is installed first and pinned, so nothing below can resolve a newer or CUDA build.
-# DAF_EXTRAS picks the pyproject extras (default "test"); "workloads" and "text" also install the
+# DAF_EXTRAS picks the pyproject extras (default "test"; "integrations" brings transformers and lightning for
+# daf.integrations); "workloads" and "text" also install the
 # packages that ship the workloads' data and weights (see below).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the tests need (into .venv) and runs the whole suite.
-# The workload tests need the "workloads" and "text" extras and the data packages (about 190 MB).
+# The workload tests need the "workloads" and "text" extras and the data packages (about 190 MB);
+# tests/test_integrations.py needs "integrations" (transformers, accelerate, lightning).
 set -euo pipefail
-export DAF_EXTRAS="${DAF_EXTRAS:-test,workloads,text}"
+export DAF_EXTRAS="${DAF_EXTRAS:-test,workloads,text,integrations}"
 source "$(dirname "$0")/setup.sh"
 if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import threading
+import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,21 +26,78 @@ __all__ = ["wrap", "unwrap", "compress", "report", "session_of", "allocator_stat
 _ATTR = "_daf_attachment"
 
 
+def _inert_hook(*args: Any) -> None:
+    """What a copy of a wrapped model holds in place of DAF's hooks: nothing to do."""
+
+
+def _inert(*args: Any) -> Any:
+    return _inert_hook
+
+
+def _no_attachment() -> None:
+    return None
+
+
+class _Hook:
+    """One of DAF's forward hooks on one module. A copy of the model (``copy.deepcopy``, pickle,
+    ``torch.save``) gets ``_inert_hook`` in its place: the hook reaches the session, whose threads,
+    locks and store cannot be copied, and the copy comes back unwrapped (``_Attachment.__reduce__``)."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: Callable[..., None]) -> None:
+        self.call = call
+
+    def __call__(self, *args: Any) -> None:
+        self.call(*args)
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _inert, ()
+
+
 class _Attachment:
-    """The hooks DAF put on one model, and the session they feed.
+    """The hooks DAF put on one model's tree, and the session they feed.
+
+    A forward begins when a module of the tree runs forward in training on a thread where none of the
+    tree is running: the root, or a child that a framework calls directly (``self.model.encoder(x)``).
+    Parts that follow one another (an encoder, then a decoder) are one forward, for the report and the
+    policy, until a module of a part already run (or one containing it) begins one again. Nothing begins
+    under eval, no_grad, inference_mode, inside a compiled graph (with one warning) or in backward
+    (checkpointing's recomputation: what it saves goes to the checkpoint, not to DAF).
 
     The session is closed by ``unwrap`` or, failing that, when the model is garbage-collected:
     nothing else would stop its threads and remove the policy's hooks. The finalizer holds the
     session, never the model, so it does not keep the model alive.
     """
 
-    def __init__(self, model: nn.Module, session: Session) -> None:
+    def __init__(self, model: nn.Module, session: Session, compiled: list[str]) -> None:
         self.session = session
+        self._root = weakref.ref(model)
         self._local = threading.local()  # each thread's forward enters hooks of its own (autograd's are per thread)
-        self.handles = session.sites.attach(model)
-        self.handles.append(model.register_forward_pre_hook(self._begin))
-        self.handles.append(model.register_forward_hook(self._end, always_call=True))
+        self._parts: set[int] = set()  # ids of the modules that began a part of the current forward
+        self._covered: set[int] = set()  # ids of the modules under those
+        self._subtrees: dict[int, frozenset[int]] = {}
+        # a compiled module's graph saves tensors without history, which DAF keeps raw: it only adds work there
+        self._compiled = {id(model.get_submodule(path)) for path in compiled}
+        self._warned_compile = bool(compiled)  # wrap warned already
+        self.handles = self._attach(model)
         self._finalizer = weakref.finalize(model, session.close)
+
+    def _attach(self, model: nn.Module) -> list[Any]:
+        """A pre and a post hook on every module: DAF's begin/end, and the site tracker's path stack."""
+        handles = []
+        for path, module in model.named_modules():
+            enter = self.session.sites._enter(path) if path else None
+            leave = self.session.sites._leave(path) if path else None
+            handles.append(module.register_forward_pre_hook(_Hook(functools.partial(self._begin, enter))))
+            handles.append(module.register_forward_hook(_Hook(functools.partial(self._end, leave)),
+                                                        always_call=True))
+        return handles
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # A copy of the model is a plain model (docs/integrations.md, "Copies and EMA"): the session
+        # (threads, locks, stored records) cannot be copied, and most copies (EMA, checkpoints) never train.
+        return _no_attachment, ()
 
     @property
     def _contexts(self) -> list[Any]:
@@ -46,27 +106,57 @@ class _Attachment:
             contexts = self._local.contexts = []
         return contexts
 
-    def _active(self, model: nn.Module) -> bool:
-        return model.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    def _active(self, module: nn.Module) -> bool:
+        return (module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+                and torch._C._current_graph_task_id() == -1)  # -1: not inside backward
 
-    def _begin(self, model: nn.Module, args: Any) -> None:
-        if not self._active(model) or torch.compiler.is_compiling():
-            self._contexts.append(None)
-            return
-        if not any(self._contexts):
-            self.session.begin_forward(model)
-        context = self.session.hooks()
-        context.__enter__()
-        self._contexts.append(context)
+    def _begin(self, enter: Callable[..., None] | None, module: nn.Module, args: Any) -> None:
+        contexts = self._contexts
+        if torch.compiler.is_compiling():
+            self._warn_compiled()
+            contexts.append(None)
+        elif contexts or not self._active(module) or id(module) in self._compiled:
+            contexts.append(None)  # nested in a forward of the tree (or inactive): the outermost decides
+        else:
+            self._begin_part(module)
+            context = self.session.hooks()
+            context.__enter__()
+            contexts.append(context)
+        if enter is not None:
+            enter(module, args)
 
-    def _end(self, model: nn.Module, args: Any, output: Any) -> None:
-        if not self._contexts:
+    def _begin_part(self, module: nn.Module) -> None:
+        subtree = self._subtree(module)
+        if not self._parts or self._parts & subtree or id(module) in self._covered:
+            # a module that ran in this forward runs again: the next forward (the next step, mostly)
+            self._parts, self._covered = {id(module)}, set(subtree)
+            self.session.begin_forward(self._root())
+        else:  # the next part of the same forward (a decoder after its encoder): end_forward counted it already
+            self._parts.add(id(module))
+            self._covered |= subtree
+            self.session.forwards -= 1
+
+    def _subtree(self, module: nn.Module) -> frozenset[int]:
+        subtree = self._subtrees.get(id(module))
+        if subtree is None:
+            subtree = self._subtrees[id(module)] = frozenset(id(m) for m in module.modules())
+        return subtree
+
+    def _end(self, leave: Callable[..., None] | None, module: nn.Module, args: Any, output: Any) -> None:
+        if leave is not None:
+            leave(module, args, output)
+        contexts = self._contexts
+        if not contexts:
             return
-        context = self._contexts.pop()
+        context = contexts.pop()
         if context is not None:
             context.__exit__(None, None, None)
-            if not any(self._contexts):
-                self.session.end_forward()
+            self.session.end_forward()
+
+    def _warn_compiled(self) -> None:
+        if not self._warned_compile:
+            self._warned_compile = True
+            warnings.warn(COMPILED_WARNING.format(what="this model runs under torch.compile"), stacklevel=2)
 
     def detach(self) -> None:
         """Remove the hooks and close the session; records already stored stay readable for a backward
@@ -78,6 +168,21 @@ class _Attachment:
             if context is not None:
                 context.__exit__(None, None, None)
         self._finalizer()  # closes the session once, and unregisters it from the garbage collector's finalizers
+
+
+COMPILED_WARNING = (
+    "DAF: {what}, and DAF compresses nothing there: a compiled graph saves "
+    "its tensors without autograd history, which DAF keeps raw. Training goes on uncompressed, at full "
+    "activation memory. To compress, run the wrapped model eagerly (drop torch.compile), or compile only "
+    "parts outside the wrapped model (docs/integrations.md, 'torch.compile').")
+
+
+def _compiled_parts(model: nn.Module) -> list[str]:
+    """Paths of the compiled modules in ``model``'s tree ("" for the model itself)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # dynamo never imported: nothing was compiled (and importing it costs seconds)
+        return []
+    return [path for path, module in model.named_modules() if isinstance(module, eval_frame.OptimizedModule)]
 
 
 def _config(config: Config | None, overrides: dict[str, Any]) -> Config:
@@ -96,8 +201,10 @@ def _session(config: Config) -> Session:
 def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn.Module:
     """Compress what ``model`` saves for backward while it trains; returns the same module.
 
-    Active while ``model`` runs forward in training mode with grad enabled; under
-    ``eval()``, ``torch.no_grad()`` or ``torch.inference_mode()`` nothing changes.
+    Active while ``model``, or any module of its tree called on its own, runs forward in training mode
+    with grad enabled; under ``eval()``, ``torch.no_grad()`` or ``torch.inference_mode()`` nothing changes.
+    Under ``torch.compile`` (either order) nothing is compressed, and DAF warns once. A copy of the
+    model (``copy.deepcopy``, pickle, ``torch.save``) is unwrapped: wrap it again to train it compressed.
     No layer is swapped: the module's type, parameters and state_dict stay as they are.
 
     >>> m = wrap(nn.Linear(4, 4), bits=4)
@@ -110,8 +217,13 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
         raise ValueError(f"wrap takes a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already wrapped by DAF; call daf.unwrap(model) first to change its config")
-    session = _session(_config(config, overrides))
-    object.__setattr__(model, _ATTR, _Attachment(model, session))
+    config = _config(config, overrides)
+    compiled = _compiled_parts(model)
+    if compiled:
+        what = ("this model is compiled with torch.compile" if "" in compiled
+                else f"{', '.join(compiled)} of this model run under torch.compile")
+        warnings.warn(COMPILED_WARNING.format(what=what), stacklevel=2)
+    object.__setattr__(model, _ATTR, _Attachment(model, _session(config), compiled))
     return model
 
 

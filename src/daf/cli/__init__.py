@@ -10,7 +10,8 @@
 ``compare`` runs fp32 then DAF, each in its own process, with the same seed, initial weights and
 batch order; it prints a table (eval metric, activation MiB raw and stored, peak RSS, median step
 time), writes PNG plots and, with ``--json``, the figures. Ctrl-C stops cleanly and still reports
-what was measured (exit status 130). Argument errors exit with status 2.
+what was measured (exit status 130). Argument errors exit with status 2; an expected failure (a missing
+data package, a budget too small, missing data) prints one line with its fix and exits with status 1.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = ["main", "entry", "build_parser"]
 
 _DAF_FLAGS = ("bits", "policy", "average", "budget", "group_size", "backend")
 EXIT_INTERRUPTED = 130
+EXIT_FAILED = 1
 
 
 def _positive_int(text: str) -> int:
@@ -115,8 +117,10 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``daf``."""
+    from daf import __version__
     from daf.workloads import names
     parser = argparse.ArgumentParser(prog="daf", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"daf {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("workloads", help="list the workloads")
     train = commands.add_parser("train", help="train one workload, with DAF unless --fp32")
@@ -143,6 +147,7 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
     options = dict(args.option)
     if "seed" in options:
         parser.error("give the seed with --seed, not -O seed=...")
+    _check_option_names(parser, args.workload, options)
     options["seed"] = args.seed
     try:
         get_workload(args.workload, **options)
@@ -158,6 +163,21 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
         return options, Config(**_config_fields(parser, given))
     except ValueError as error:
         parser.error(str(error))
+
+
+def _check_option_names(parser: argparse.ArgumentParser, workload: str, options: dict[str, Any]) -> None:
+    """Unknown -O names are an argument error naming them and the workload's options (``seed`` is --seed)."""
+    import inspect
+
+    from daf.workloads import workload_class
+    parameters = inspect.signature(workload_class(workload).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    allowed = [name for name in parameters if name not in ("self", "seed")]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        parser.error(f"workload {workload!r} has no option {', '.join(unknown)}; its options (-O KEY=VALUE): "
+                     f"{', '.join(allowed)} (the seed is --seed)")
 
 
 def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> dict[str, Any]:
@@ -243,6 +263,27 @@ def _run_on_the_whole_process_allocator(argv: list[str], allocator: str) -> None
     os.execve(sys.executable, [sys.executable, "-m", "daf.cli", *argv], {**os.environ, **extra, _WHOLE_PROCESS: "1"})
 
 
+def _expected_failures() -> tuple[type[BaseException], ...]:
+    """What a run can meet that is not a bug: a missing package or data, a budget too small."""
+    from daf.memory.errors import OutOfBudget
+    from daf.workloads import MissingPackage
+    return MissingPackage, OutOfBudget, FileNotFoundError
+
+
+def failure_line(error: BaseException) -> str:
+    """The one line ``daf`` prints for an expected failure: what went wrong and how to fix it."""
+    from daf.memory.errors import OutOfBudget
+    text = " ".join(str(error).split())
+    if isinstance(error, OutOfBudget):
+        text += " (on the command line: a larger --budget or a smaller --batch)"
+    return text
+
+
+def _fail(message: str) -> int:
+    print(f"daf: error: {message}", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], config: Config | None,
            whole_process: bool = False) -> int:
     if whole_process:
@@ -255,6 +296,11 @@ def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], c
     except KeyboardInterrupt:
         print("interrupted before training started: nothing was measured", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except _expected_failures() as error:
+        if args.result_file:  # an arm of ``daf compare``: the parent prints it, once
+            Path(args.result_file).write_text(json.dumps({"error": failure_line(error)}))
+            return EXIT_FAILED
+        return _fail(failure_line(error))
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(record))
         return EXIT_INTERRUPTED if record["interrupted"] else 0
@@ -272,10 +318,11 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
             runs[arm] = record
         interrupted = interrupted or pressed or bool(record and record["interrupted"])
         if error is not None:
-            print(f"{arm} arm failed: {error}", file=sys.stderr)
+            _fail(f"the {arm} arm stopped: {error}")
             if not interrupted:
-                _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
-                return 1
+                if runs:
+                    _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
+                return EXIT_FAILED
         if interrupted:
             break
     return _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
@@ -302,14 +349,16 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
     if args.command == "run":
         from daf.cli.launch import launch
         return launch(parser, args)
-    if args.command == "bench":
-        from daf.bench import memory
-        return memory.run(args, " ".join(["daf", *argv]))
-    options, config = _resolve(parser, args)
+    options, config = _resolve(parser, args) if args.command in ("train", "compare") else ({}, None)
     try:
+        if args.command == "bench":
+            from daf.bench import memory
+            return memory.run(args, " ".join(["daf", *argv]))
         if args.command == "train":
             return _train(args, argv, options, config, whole_process)
         return _compare(args, argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except _expected_failures() as error:
+        return _fail(failure_line(error))

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_arm_subprocess"]
+__all__ = ["run_arm_subprocess", "read_result"]
 
 
 def run_arm_subprocess(train_argv: list[str]) -> tuple[dict[str, Any] | None, bool, str | None]:
@@ -39,6 +39,16 @@ def run_arm_subprocess(train_argv: list[str]) -> tuple[dict[str, Any] | None, bo
                     process.kill()
                 else:
                     process.send_signal(signal.SIGINT)
-        if result.exists():
-            return json.loads(result.read_text()), interrupts > 0, None
-        return None, interrupts > 0, f"the arm exited with status {code} and wrote no result"
+        record, error = read_result(result, code)
+        return record, interrupts > 0, error
+
+
+def read_result(path: Path, code: int) -> tuple[dict[str, Any] | None, str | None]:
+    """What an arm left in its result file: (its run record, None), or (None, why it has none): the one
+    line of an expected failure (``{"error": ...}``), or its exit status."""
+    if not path.exists():
+        return None, f"it exited with status {code} and wrote no result (its error is above)"
+    data = json.loads(path.read_text())
+    if "error" in data:
+        return None, data["error"]
+    return data, None

