@@ -87,8 +87,8 @@ class _Attachment:
         """A pre and a post hook on every module: DAF's begin/end, and the site tracker's path stack."""
         handles = []
         for path, module in model.named_modules():
-            enter = self.session.sites._enter(path) if path else None
-            leave = self.session.sites._leave(path) if path else None
+            enter = self.session.sites.enter(path) if path else None
+            leave = self.session.sites.leave(path) if path else None
             handles.append(module.register_forward_pre_hook(_Hook(functools.partial(self._begin, enter))))
             handles.append(module.register_forward_hook(_Hook(functools.partial(self._end, leave)),
                                                         always_call=True))
@@ -134,7 +134,7 @@ class _Attachment:
         else:  # the next part of the same forward (a decoder after its encoder): end_forward counted it already
             self._parts.add(id(module))
             self._covered |= subtree
-            self.session.forwards -= 1
+            self.session.continue_forward()
 
     def _subtree(self, module: nn.Module) -> frozenset[int]:
         subtree = self._subtrees.get(id(module))

@@ -140,6 +140,11 @@ class Session:
         self._relu_masks.clear()
         self.accounting.end()
 
+    def continue_forward(self) -> None:
+        """The forward that ended last goes on (a decoder after its encoder, called one by one by a
+        framework): the same step for the policy, its rows in the same report."""
+        self.forwards -= 1
+
     def hooks(self) -> "_Hooks":
         """The context under which saved tensors go through this session (and ops are tracked)."""
         return _Hooks(self)

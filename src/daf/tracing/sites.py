@@ -50,16 +50,18 @@ class SiteTracker:
         for path, module in model.named_modules():
             if not path:
                 continue
-            handles.append(module.register_forward_pre_hook(self._enter(path)))
-            handles.append(module.register_forward_hook(self._leave(path), always_call=True))
+            handles.append(module.register_forward_pre_hook(self.enter(path)))
+            handles.append(module.register_forward_hook(self.leave(path), always_call=True))
         return handles
 
-    def _enter(self, path: str):
+    def enter(self, path: str):
+        """A forward pre-hook for the module at ``path``: it runs inside it from now."""
         def hook(module, args):
             self._stack.append(path)
         return hook
 
-    def _leave(self, path: str):
+    def leave(self, path: str):
+        """A forward hook for the module at ``path``: it has returned (or raised)."""
         def hook(module, args, output):
             # An exception inside a child may have left its own entry unpopped; unwind to ours.
             while self._stack and self._stack.pop() != path:
