@@ -3,6 +3,7 @@
     daf workloads
     daf run [--allocator NAME] -- COMMAND ...      (a whole process on tcmalloc: docs/allocator.md)
     daf bench memory [--workloads W,...] [--cap 3GiB] [--quick]   (docs/benchmarks.md)
+    daf bench overhead [--workload W] [--batch N]              where DAF's extra step time goes
     daf train WORKLOAD [--bits 2 | --policy adaptive [--average 2.0]] [--budget 512MiB] [--steps N] [--batch B]
               [--fp32]
     daf compare WORKLOAD [--bits 2] [--steps N] [--batch B] [--json FILE] [--out DIR]
@@ -138,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True,
                                                                           metavar="BENCHMARK")
     memory_arguments(bench.add_parser("memory", help="the largest batch that trains under a RAM cap"))
+    from daf.bench.overhead import add_arguments as overhead_arguments
+    overhead_arguments(bench.add_parser("overhead", help="where a DAF step's extra time goes, per component"))
     return parser
 
 
@@ -352,8 +355,8 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
     options, config = _resolve(parser, args) if args.command in ("train", "compare") else ({}, None)
     try:
         if args.command == "bench":
-            from daf.bench import memory
-            return memory.run(args, " ".join(["daf", *argv]))
+            from daf.bench import memory, overhead
+            return overhead.run(args) if args.bench == "overhead" else memory.run(args, " ".join(["daf", *argv]))
         if args.command == "train":
             return _train(args, argv, options, config, whole_process)
         return _compare(args, argv)
