@@ -315,3 +315,21 @@ def test_a_session_is_a_context_manager_and_closes_once():
         assert new_daf_threads(before)
     assert new_daf_threads(before) == []
     session.close()  # again: nothing to do
+
+
+def test_a_forward_in_eval_mode_with_grad_says_once_that_nothing_is_compressed():
+    import warnings as warnings_module
+    model = daf.wrap(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)), min_numel=1)
+    model.eval()
+    with pytest.warns(UserWarning, match="eval\\(\\) mode with grad enabled"):
+        model(torch.randn(8, 64)).sum().backward()
+    with warnings_module.catch_warnings():
+        warnings_module.simplefilter("error")
+        model(torch.randn(8, 64)).sum().backward()  # once per model
+        with torch.no_grad():
+            model(torch.randn(8, 64))
+    assert daf.report(model).forward is None and "nothing was compressed" in str(daf.report(model))
+    model.train()
+    model(torch.randn(8, 64)).sum().backward()
+    model(torch.randn(8, 64)).sum().backward()
+    assert daf.report(model).forward == 1 and str(daf.report(model)).count("forward 1:") == 1

@@ -80,6 +80,7 @@ class _Attachment:
         # a compiled module's graph saves tensors without history, which DAF keeps raw: it only adds work there
         self._compiled = {id(model.get_submodule(path)) for path in compiled}
         self._warned_compile = bool(compiled)  # wrap warned already
+        self._warned_eval = False
         self.handles = self._attach(model)
         self._finalizer = weakref.finalize(model, session.close)
 
@@ -116,6 +117,8 @@ class _Attachment:
             self._warn_compiled()
             contexts.append(None)
         elif contexts or not self._active(module) or id(module) in self._compiled:
+            if not contexts and self._graph_without_training(module):
+                self._warn_eval()
             contexts.append(None)  # nested in a forward of the tree (or inactive): the outermost decides
         else:
             self._begin_part(module)
@@ -153,6 +156,17 @@ class _Attachment:
             context.__exit__(None, None, None)
             self.session.end_forward()
 
+    @staticmethod
+    def _graph_without_training(module: nn.Module) -> bool:
+        """Forward in eval() mode that still builds a graph: its saves are not compressed."""
+        return (not module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+                and torch._C._current_graph_task_id() == -1)
+
+    def _warn_eval(self) -> None:
+        if not self._warned_eval:
+            self._warned_eval = True
+            warnings.warn(EVAL_WARNING, stacklevel=3)
+
     def _warn_compiled(self) -> None:
         if not self._warned_compile:
             self._warned_compile = True
@@ -170,6 +184,9 @@ class _Attachment:
         self._finalizer()  # closes the session once, and unregisters it from the garbage collector's finalizers
 
 
+EVAL_WARNING = ("DAF: the wrapped model ran forward in eval() mode with grad enabled; DAF compresses only in "
+                "training mode, so what this forward saves for backward is kept as it is. Call model.train() "
+                "to train with DAF, or evaluate under torch.no_grad(). (Said once per wrapped model.)")
 COMPILED_WARNING = (
     "DAF: {what}, and DAF compresses nothing there: a compiled graph saves "
     "its tensors without autograd history, which DAF keeps raw. Training goes on uncompressed, at full "

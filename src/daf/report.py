@@ -35,6 +35,8 @@ class Report:
     rows: list[SiteRow] = field(default_factory=list)
     parameters_referenced: int = 0
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # which forward the rows describe (0 is the first, counted by the session); None before any
+    forward: int | None = None
 
     @property
     def raw_bytes(self) -> int:
@@ -60,7 +62,7 @@ class Report:
     def totals(self) -> dict[str, Any]:
         counts = {kind: sum(r.kind == kind for r in self.rows) for kind in ("compressed", "mask", "raw", "shared")}
         return {"raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes, "ratio": self.ratio,
-                "sites": counts, "parameters_referenced": self.parameters_referenced}
+                "sites": counts, "parameters_referenced": self.parameters_referenced, "forward": self.forward}
 
     def to_dict(self) -> dict[str, Any]:
         return {"totals": self.totals(), "rows": [r.__dict__ for r in self.rows], "sections": self.sections}
@@ -75,7 +77,9 @@ class Report:
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines]
         text.append("")
-        text.append(f"activations: {_size(self.raw_bytes)} raw -> {_size(self.stored_bytes)} stored "
+        if self.forward is None:
+            text.append("no forward seen yet in training mode with grad enabled: nothing was compressed")
+        text.append(f"{'' if self.forward is None else f'forward {self.forward}: '}activations: {_size(self.raw_bytes)} raw -> {_size(self.stored_bytes)} stored "
                     f"({self.ratio:.1f}x; {self.compressed_ratio:.1f}x on compressed sites); "
                     f"{self.parameters_referenced} parameter tensors referenced, not copied")
         for name, figures in self.sections.items():

@@ -60,6 +60,6 @@ class Accounting:
         if 0 <= row < len(self._rows) and self._rows[row].site == site:
             self._rows[row] = replace(self._rows[row], stored_bytes=stored)
 
-    def report(self, sections: dict[str, Any]) -> Report:
-        """Figures of the last finished forward."""
-        return Report(list(self._last), self.parameters_referenced, sections)
+    def report(self, sections: dict[str, Any], forward: int | None) -> Report:
+        """Figures of the last finished forward (number ``forward``)."""
+        return Report(list(self._last), self.parameters_referenced, sections, forward)

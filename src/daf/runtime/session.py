@@ -269,7 +269,7 @@ class Session:
         sections = {"policy": self.policy.summary(), "store": self.store.stats(),
                     "codec": {"codec": self.codecs.name, "group_size": self.config.group_size,
                               "rounding": self.config.rounding}}
-        return self.accounting.report(sections)
+        return self.accounting.report(sections, self.forwards - 1 if self.forwards else None)
 
     def close(self) -> None:
         """Stop the packer, remove the policy's hooks and close the store to new records; idempotent.
