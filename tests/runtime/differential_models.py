@@ -12,9 +12,10 @@ Blocks (the fields after the name):
 - ``("act", activation)``: relu, relu_inplace, gelu, gelu_tanh, silu, tanh, sigmoid, softmax
 - ``("norm", kind, groups)``: layer, batch1d, batch2d, group (``groups`` divides C)
 - ``("conv1d", kernel, depthwise, bias)``, ``("conv2d", kernel, channels_last, bias)``
-- ``("attention", heads, impl, causal, dropout_p, qk_norm)``: impl "sdpa"
-  (``F.scaled_dot_product_attention``) or "eager" (``softmax(q k^T / sqrt(d)) v``); ``qk_norm``
-  normalizes q and k (``F.layer_norm`` without weights, as QK-norm models do), which bounds the logits
+- ``("attention", heads, impl, causal, dropout_p, qk_norm, scale)``: impl "sdpa"
+  (``F.scaled_dot_product_attention``) or "eager" (``softmax(q k^T * scale) v``); ``qk_norm``
+  normalizes q and k (``F.layer_norm`` without weights, as QK-norm models do), which bounds the logits;
+  ``scale`` is "default" (1 / sqrt(d)) or "small" (1 / d)
 - ``("residual", how, inner)``: ``h + f(h)`` with ``inner`` a list of blocks; ``how`` is "add",
   "add_" (``f(h).add_(h)``) or "iadd" (``h.add_(f(h))``, which plain autograd refuses when f saved h)
 - ``("inplace", op, target)``: op in add, mul, relu_, sigmoid_, tanh_, mul_param, add_param on the
@@ -24,7 +25,7 @@ Blocks (the fields after the name):
   "strided" (every other channel)
 - ``("dropout", p, mode)``: mode "module" (``nn.Dropout``), "module_eval" (an ``nn.Dropout`` in eval
   mode inside the training model), "functional", "inplace"
-- ``("square",)``: ``h * h`` (one tensor saved twice by one op), ``("gate",)``: ``h * sigmoid(h)``
+- ``("square",)``: ``h * h`` (one tensor saved twice by one op) over its largest value, ``("gate",)``: ``h * sigmoid(h)``
   written out, ``("pool",)``: ``max_pool1d`` over T, stride 1 (saves int64 indices)
 
 Dropout draws from torch's global generator: the test seeds it identically before each run, and
@@ -165,7 +166,7 @@ class Conv2d(_Block):
 class Attention(_Block):
     def __init__(self, spec, c, h, w):
         super().__init__(spec, c, h, w)
-        _, self.heads, self.impl, self.causal, self.dropout_p, self.qk_norm = spec
+        _, self.heads, self.impl, self.causal, self.dropout_p, self.qk_norm, self.scale = spec
         self.qkv = nn.Linear(c, 3 * c)
         self.proj = nn.Linear(c, c)
 
@@ -175,10 +176,11 @@ class Attention(_Block):
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, d).permute(2, 0, 3, 1, 4)
         if self.qk_norm:
             q, k = F.layer_norm(q, (d,)), F.layer_norm(k, (d,))
+        scale = 1 / math.sqrt(d) if self.scale == "default" else 1 / d
         if self.impl == "sdpa":
-            o = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=self.causal)
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=self.causal, scale=scale)
         else:
-            scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+            scores = (q @ k.transpose(-1, -2)) * scale
             if self.causal:
                 mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
                 scores = scores.masked_fill(mask, float("-inf"))
@@ -279,7 +281,9 @@ class Dropout(_Block):
 
 class Square(_Block):
     def forward(self, x):
-        return x * x
+        # Divided by its (detached) largest value: squares of squares would otherwise leave the normal range.
+        y = x * x
+        return y / y.detach().amax().clamp_min(1.0)
 
 
 class Gate(_Block):

@@ -18,8 +18,8 @@ either
   known gap, ``MISSED_INPLACE_IS_KNOWN``: there DAF's gradients must be plain autograd's on the values
   of pack time).
 
-``test_adaptive_...`` does the same under ``policy=daf.Adaptive(average=8.0)`` (stochastic rounding)
-for two steps, with ``replan_every=1`` so that the second runs on a plan.
+``test_adaptive_...`` does the same under ``policy=daf.Adaptive(average=8.0)`` (stochastic rounding),
+for the first forward only until the planner bug pinned below is fixed (``ADAPTIVE_STEPS``).
 
 Known limits, kept out of the property by construction (the explicit tests at the end pin them, as
 strict xfails):
@@ -27,7 +27,7 @@ strict xfails):
 - float16 activations near 65504 may decode to inf (the group's step, rounded up, overflows);
 - float64 values around 1e-60 and float32 denormals decode to 0: the codec computes in float32
   with a step of at least 2^-126;
-- ``F.scaled_dot_product_attention`` with logits spread over a few units: its backward recomputes
+- ``F.scaled_dot_product_attention`` with logits spread over a unit or more: its backward recomputes
   softmax from decoded q and k and the exact logsumexp, so the property draws it with QK-norm only;
 - an in-place change through an alias of a saved tensor whose own Python object is gone is missed.
 
@@ -51,6 +51,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import event, given, settings
+from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
 import daf
@@ -72,7 +73,7 @@ ADAPTIVE = daf.Config(policy=daf.Adaptive(average=8.0, replan_every=1, window=1)
 NEGLIGIBLE = {"float64": 1e-6, "float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 NEGLIGIBLE_DIFFERENCE = 2e-2
 # A cosine below COSINE passes when DAF's 1 - cosine is at most this multiple of the worst of ideal 8-bit
-# codes' (``_ideal_codes``: float64 min/max, no bfloat16 rounding of lo and step, ``IDEAL_SHIFTS``) on the same run.
+# codes' (``_ideal_codes``: float64, at each of ``IDEAL_OFFSETS``) on the same run.
 IDEAL_FACTOR = 3.0
 
 
@@ -90,13 +91,14 @@ def _leaf_blocks(channels: int) -> st.SearchStrategy[tuple]:
                   st.sampled_from([g for g in (1, 2, 4) if channels % g == 0])),
         st.tuples(st.just("conv1d"), st.sampled_from([1, 3]), booleans, booleans),
         st.tuples(st.just("conv2d"), st.sampled_from([1, 3]), booleans, booleans),
-        # SDPA only with QK-norm: its backward recomputes softmax from the decoded q and k and the exact
-        # logsumexp, so the codes' error in the logits comes back multiplied (the known limit pinned by
-        # test_sdpa_with_large_logits_at_8_bits below); eager attention saves softmax's output instead.
+        # SDPA only with QK-norm (logits within a few units): its backward recomputes softmax from the decoded
+        # q and k and the exact logsumexp, so the codes' error in the logits comes back through exp() (the
+        # known limit pinned by test_sdpa_at_8_bits_... below; even with QK-norm it can take the fallback to
+        # the ideal codes' bound). Eager attention saves softmax's output instead and is drawn at every scale.
         st.tuples(st.just("attention"), heads, st.just("sdpa"), booleans, st.sampled_from([0.0, 0.0, 0.25]),
-                  st.just(True)),
+                  st.just(True), st.sampled_from(["default", "small"])),
         st.tuples(st.just("attention"), heads, st.just("eager"), booleans, st.sampled_from([0.0, 0.0, 0.25]),
-                  booleans),
+                  booleans, st.sampled_from(["default", "small"])),
         st.tuples(st.just("inplace"),
                   st.sampled_from(["add", "mul", "relu_", "sigmoid_", "tanh_", "mul_param", "add_param"]),
                   st.sampled_from(["whole", "slice", "transpose", "strided"])),
@@ -209,30 +211,33 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b / denominator) if denominator > 0 else (1.0 if a.norm() == b.norm() else 0.0)
 
 
-def _ideal_codes(t: torch.Tensor, shift: int = 0) -> torch.Tensor:
-    """``t`` through an ideal 8-bit min/max quantizer, nearest rounding, in float64, on groups of 256
-    consecutive elements in logical order, the first group ``shift`` elements short: what 8-bit codes can
-    do, independently of DAF's codec, store and routing."""
-    flat = torch.roll(t.detach().double().flatten(), shift)
+def _ideal_codes(t: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """``t`` through an ideal 8-bit min/max quantizer: nearest rounding in float64 on groups of 256
+    consecutive elements (logical order), the grid starting ``offset`` steps below the group's minimum.
+    What 8-bit codes can do, independently of DAF's codec, store and routing."""
+    flat = t.detach().double().flatten()
     padded = torch.nn.functional.pad(flat, (0, -flat.numel() % 256)).view(-1, 256)
     lo, hi = padded.min(1, keepdim=True).values, padded.max(1, keepdim=True).values
+    lo = lo - offset * (hi - lo) / 255
     step = ((hi - lo) / 255).clamp_min(1e-300)
     decoded = (lo + torch.round((padded - lo) / step) * step).flatten()[: flat.numel()]
-    return torch.roll(decoded, -shift).view_as(t).to(t.dtype)
+    return decoded.view_as(t).to(t.dtype)
 
 
-def ideal_8_bits(shift: int = 0) -> Callable[[], contextlib.AbstractContextManager]:
+def ideal_8_bits(offset: float = 0.0) -> Callable[[], contextlib.AbstractContextManager]:
     """Hooks for plain autograd with every saved tensor that has history through ``_ideal_codes``
     (parameters, the input and tensors without history as they are)."""
     def pack(t: torch.Tensor) -> torch.Tensor:
-        return t if t.grad_fn is None or not t.dtype.is_floating_point else _ideal_codes(t, shift)
+        return t if t.grad_fn is None or not t.dtype.is_floating_point else _ideal_codes(t, offset)
     return lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-# Where the ideal codes' groups start. Which elements share a group changes which rounding errors a
-# sensitive gradient meets (F.scaled_dot_product_attention's exp() of the logits): the bound is the worst
-# of these, as DAF's groups (in memory order) are one more such choice.
-IDEAL_SHIFTS = (0, 7, 100)
+# Where the ideal codes' grid starts, in steps below the minimum. Where each value falls on the grid
+# decides its rounding error, and a sensitive gradient (F.scaled_dot_product_attention's, through exp()
+# of the logits) changes with it: on one model the input gradient's cosine went from 0.96 to 0.87 between
+# offsets 0 and 0.7. DAF's grid starts at the minimum rounded down to bfloat16, one more such choice; the
+# bound is the worst of these.
+IDEAL_OFFSETS = (0.0, 0.25, 0.5, 0.75)
 
 
 def compare(plain: Outcome, wrapped: Outcome, spec: ModelSpec, label: str = "",
@@ -268,7 +273,8 @@ def compare(plain: Outcome, wrapped: Outcome, spec: ModelSpec, label: str = "",
             references = ideal() if ideal is not None else []
             bound = min((_cosine(g, r.grads[name]) for r in references if r.error is None), default=None)
             if bound is not None and 1 - cosine <= IDEAL_FACTOR * (1 - bound):
-                event("cosine below 0.999, within the ideal 8-bit codes' error")
+                if currently_in_test_context():
+                    event("cosine below 0.999, within the ideal 8-bit codes' error")
                 continue
             bad.append(f"{name}: cosine {cosine:.6f} (norm {norms[name]:.3g}, largest {scale:.3g}); "
                        f"ideal 8-bit codes {bound if bound is None else round(bound, 6)}")
@@ -295,7 +301,7 @@ def check(spec: ModelSpec, config: daf.Config, steps: int = 1) -> None:
 
     def ideal(step: int) -> list[Outcome]:
         if not ideal_outcomes:
-            ideal_outcomes.extend(run(build(spec), spec, steps, ideal_8_bits(shift)) for shift in IDEAL_SHIFTS)
+            ideal_outcomes.extend(run(build(spec), spec, steps, ideal_8_bits(offset)) for offset in IDEAL_OFFSETS)
         return [outcomes[step] for outcomes in ideal_outcomes if step < len(outcomes)]
 
     for step, (plain, outcome) in enumerate(zip(plain_outcomes, daf_outcomes)):
@@ -314,16 +320,22 @@ def check(spec: ModelSpec, config: daf.Config, steps: int = 1) -> None:
 
 # -- the properties -----------------------------------------------------------------------------
 
-@settings(max_examples=EXAMPLES or 120, deadline=None, derandomize=True, database=None)
+@settings(max_examples=EXAMPLES or 200, deadline=None, derandomize=True, database=None)
 @given(spec=model_specs())
 def test_daf_gradients_match_plain_autograd_or_both_raise(spec):
     check(spec, UNIFORM)
 
 
-@settings(max_examples=EXAMPLES or 30, deadline=None, derandomize=True, database=None)
+# The first forward only (8 bits everywhere, stochastic rounding): after a plan the gradients are wrong
+# (test_adaptive_plan_at_an_average_of_8_bits_... below). Set to 2 once that is fixed: the second forward then
+# runs on a plan (``replan_every=1``).
+ADAPTIVE_STEPS = 1
+
+
+@settings(max_examples=EXAMPLES or 40, deadline=None, derandomize=True, database=None)
 @given(spec=model_specs(dtypes=("float32", "bfloat16")))
 def test_adaptive_gradients_match_plain_autograd_or_both_raise(spec):
-    check(spec, ADAPTIVE, steps=2)
+    check(spec, ADAPTIVE, steps=ADAPTIVE_STEPS)
 
 
 # -- what the property leaves out, pinned explicitly ------------------------------------------------
@@ -386,14 +398,31 @@ class _Attention(torch.nn.Module):
         return F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0)
 
 
-@pytest.mark.xfail(strict=True, reason="F.scaled_dot_product_attention's backward (CPU flash kernel) recomputes "
-                   "softmax from the decoded q and k and the exact logsumexp: the codes' error in the logits "
-                   "comes back through exp(), so at 8 bits the gradient falls below cosine 0.999 once the logits' "
-                   "spread is a few units (eager attention, which saves softmax's output, stays above it)")
-def test_sdpa_with_large_logits_at_8_bits():
+SDPA_REASON = ("F.scaled_dot_product_attention's backward (CPU flash kernel) recomputes softmax from the decoded q "
+               "and k and the exact logsumexp: the codes' error in the logits comes back through exp(), so at 8 "
+               "bits the gradient falls below cosine 0.999 once the logits spread over a unit or more (eager "
+               "attention, which saves softmax's output, stays above it)")
+
+
+@pytest.mark.xfail(strict=True, reason=SDPA_REASON)
+def test_sdpa_at_8_bits_with_large_logits():
     qkv = torch.randn(3, 2, 2, 16, 16, generator=torch.Generator().manual_seed(0)) * 3.0  # logits' std ~9
     plain, wrapped = _both(_Attention, qkv)
     assert _cosine(plain.grads["<input>"], wrapped.grads["<input>"]) > COSINE
+
+
+@pytest.mark.xfail(strict=True, reason=SDPA_REASON)
+def test_sdpa_at_8_bits_with_qk_norm_found_by_the_property():
+    # Found by the property: input gradient cosine 0.874. Ideal 8-bit codes of the same saved tensors give
+    # 0.96 to 0.87 depending on where their grid starts: 8-bit q and k are not enough for this backward.
+    spec = ModelSpec(batch=3, height=3, width=3, channels=8, dtype="float32",
+                     blocks=(("pool",), ("attention", 4, "sdpa", False, 0.0, True, "default")), input_scale=0.5,
+                     head="cross_entropy", seed=1)
+    model = build(spec)
+    wrapped = daf.wrap(copy.deepcopy(model), UNIFORM)
+    plain, outcome = run(model, spec)[0], run(wrapped, spec)[0]
+    daf.unwrap(wrapped)
+    assert _cosine(plain.grads["<input>"], outcome.grads["<input>"]) > COSINE
 
 
 def test_sdpa_with_moderate_logits_and_eager_attention_with_large_ones_are_within_bounds():
@@ -436,3 +465,34 @@ def test_tiny_magnitudes(dtype, magnitude):
     x = torch.randn(16, 16, dtype=dtype, generator=torch.Generator().manual_seed(0)) * magnitude
     plain, wrapped = _both(lambda: _Scale(16).to(dtype), x, loss=lambda y: y.sum() * magnitude ** -0.75)
     assert _cosine(plain.grads["w"], wrapped.grads["w"]) > COSINE
+
+
+class _Gate(torch.nn.Module):
+    def forward(self, x):
+        h = x * 1.0
+        return h * torch.sigmoid(h)
+
+
+@pytest.mark.xfail(strict=True, reason="a group's largest value does not decode exactly (lo is rounded down and the "
+                   "step up to bfloat16), so a saturated sigmoid output 1.0 comes back as 1 - step/2 at worst and "
+                   "sigmoid's backward s * (1 - s) is no longer 0 there; multiplied by a huge upstream gradient "
+                   "(x * sigmoid(x) with x ~ 5e4) the input gradient's cosine falls to 0.996 here, 0.93 in the model "
+                   "the property found (ideal 8-bit codes, whose top code is the maximum, give 0.99999)")
+def test_a_saturated_sigmoid_under_a_huge_gate():
+    # Found by the property (square, square, gate at input scale 2): x is (2 * randn) ** 4, up to ~5e4.
+    x = (torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0)) * 2) ** 4
+    plain, wrapped = _both(_Gate, x, loss=lambda y: y.sum())
+    assert _cosine(plain.grads["<input>"], wrapped.grads["<input>"]) > COSINE
+
+
+@pytest.mark.xfail(strict=True, reason="Adaptive(average=8.0) plans 1 bit for every site but one and keeps that one "
+                   "raw (mean 7.2 bits <= 8), estimating the plan's variance at 0: the gradient after the plan is "
+                   "far off (cosine 0.96 and 0.62 on these, 1.0 on the first forward)")
+@pytest.mark.parametrize("blocks", [
+    (("act", "tanh"),) * 4 + (("linear", False),),  # four tanh and a linear: input gradient cosine 0.96
+    (("square",), ("square",), ("gate",), ("linear", False)),  # found by the property: cosine 0.62
+], ids=["tanh4-linear", "square-square-gate-linear"])
+def test_adaptive_plan_at_an_average_of_8_bits_keeps_the_gradients(blocks):
+    spec = ModelSpec(batch=2, height=2, width=2, channels=8, dtype="float32", blocks=blocks, input_scale=0.5,
+                     head="project", seed=0)
+    check(spec, ADAPTIVE, steps=2)
