@@ -2,7 +2,7 @@
 
 A model is described by a ``ModelSpec``: the batch shape ``(batch, height * width, channels)``, a
 dtype, and a list of blocks, each a plain tuple such as ``("linear", True)`` or
-``("attention", 2, "sdpa", True, 0.0)``, so that hypothesis prints a failing model in a form that can
+``("attention", 2, "sdpa", True, 0.0, True, "default")``, so that hypothesis prints a failing model in a form that can
 be pasted back into ``build``. Every block maps a ``(B, T, C)`` tensor to one of the same shape; the
 convolutions see it as ``(B, C, T)`` or ``(B, C, H, W)``, the attention as ``(B, heads, T, C / heads)``.
 
@@ -25,11 +25,17 @@ Blocks (the fields after the name):
   "strided" (every other channel)
 - ``("dropout", p, mode)``: mode "module" (``nn.Dropout``), "module_eval" (an ``nn.Dropout`` in eval
   mode inside the training model), "functional", "inplace"
-- ``("square",)``: ``h * h`` (one tensor saved twice by one op) over its largest value, ``("gate",)``: ``h * sigmoid(h)``
-  written out, ``("pool",)``: ``max_pool1d`` over T, stride 1 (saves int64 indices)
+- ``("square",)``: ``h * h`` (one tensor saved twice by one op) over its largest value,
+  ``("gate",)``: ``h * sigmoid(h)`` written out, ``("pool",)``: ``max_pool1d`` over T, stride 1
+  (saves int64 indices)
 
-Dropout draws from torch's global generator: the test seeds it identically before each run, and
-DAF at ``rounding="nearest"`` draws nothing from it, so both runs drop the same elements.
+``ModelSpec.mutate`` adds an in-place change after forward and before backward (``Net.mutate``): to the
+input, or to a block's output through the tensor itself (kept, or "dropped" after the change), a view of
+it or a detached alias.
+
+Dropout draws from torch's global generator: the test seeds it identically before each run, and DAF
+draws nothing from it (stochastic rounding has its own counter-based generator), so both runs drop the
+same elements; the test checks that the forward outputs are identical.
 """
 
 from __future__ import annotations
@@ -326,19 +332,22 @@ class Net(nn.Module):
 
     def tap(self, h: torch.Tensor) -> None:
         how = self.spec.mutate[1]
-        # Keep only what the mutation goes through: an alias that shares h's version counter.
-        self.taps = [h if how == "whole" else h.view(-1) if how == "view" else h.detach()]
+        # Keep only what the mutation goes through: h itself, or an alias that shares its version counter.
+        self.taps = [h if how in ("whole", "dropped") else h.view(-1) if how == "view" else h.detach()]
 
     def mutate(self, x: torch.Tensor) -> None:
         """The change made after forward and before backward, as an optimizer step or a careless
-        user would make it (no_grad, in place)."""
+        user would make it (no_grad, in place). The tensor changed stays referenced until the next
+        forward, except under "dropped", where nothing references it after the change."""
         if self.spec.mutate is None:
             return
         with torch.no_grad():
             if self.spec.mutate[0] == "input":
                 x.add_(1.0)
-            else:
+            elif self.spec.mutate[1] == "dropped":
                 self.taps.pop().add_(1.0)
+            else:
+                self.taps[-1].add_(1.0)
 
 
 def build(spec: ModelSpec) -> Net:

@@ -73,7 +73,8 @@ ADAPTIVE = daf.Config(policy=daf.Adaptive(average=8.0, replan_every=1, window=1)
 NEGLIGIBLE = {"float64": 1e-6, "float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 NEGLIGIBLE_DIFFERENCE = 2e-2
 # A cosine below COSINE passes when DAF's 1 - cosine is at most this multiple of the worst of ideal 8-bit
-# codes' (``_ideal_codes``: float64, at each of ``IDEAL_OFFSETS``) on the same run.
+# codes' (``_ideal_codes``: float64, nearest, at each of ``IDEAL_OFFSETS``) on the same run; twice this
+# multiple under stochastic rounding. The same for the difference of a negligible gradient.
 IDEAL_FACTOR = 3.0
 
 
@@ -127,7 +128,7 @@ def model_specs(draw: st.DrawFn, dtypes: tuple[str, ...] = ("float32", "float64"
     mutate = draw(st.one_of(
         st.none(), st.none(), st.none(),
         st.tuples(st.one_of(st.just("input"), st.integers(0, len(blocks) - 1)),
-                  st.sampled_from(["whole", "view", "detach"]))))
+                  st.sampled_from(["whole", "dropped", "view", "detach"]))))
     return ModelSpec(batch=draw(st.integers(2, 4)), height=height, width=width, channels=channels,
                      dtype=draw(st.sampled_from(dtypes)), blocks=blocks,
                      input_scale=draw(st.sampled_from([0.5, 1.0, 2.0])),
@@ -241,7 +242,7 @@ IDEAL_OFFSETS = (0.0, 0.25, 0.5, 0.75)
 
 
 def compare(plain: Outcome, wrapped: Outcome, spec: ModelSpec, label: str = "",
-            ideal: Callable[[], list[Outcome]] | None = None) -> None:
+            ideal: Callable[[], list[Outcome]] | None = None, factor: float = IDEAL_FACTOR) -> None:
     where = f"{label}{spec}"
     if plain.error is not None or wrapped.error is not None:
         assert plain.error is not None, f"DAF raised where plain autograd did not: {wrapped!r}\n{where}"
@@ -250,6 +251,8 @@ def compare(plain: Outcome, wrapped: Outcome, spec: ModelSpec, label: str = "",
             f"plain {plain!r}, DAF {wrapped!r}\n{where}"
         if INPLACE in str(plain.error):
             assert INPLACE in str(wrapped.error) and "DAF" in str(wrapped.error), f"DAF {wrapped!r}\n{where}"
+        kind = "in-place change" if INPLACE in str(plain.error) else type(plain.error).__name__
+        _event(f"both raised in {plain.stage} - {kind}")
         return
     assert torch.equal(torch.nan_to_num(plain.output), torch.nan_to_num(wrapped.output)) \
         and torch.equal(plain.output.isnan(), wrapped.output.isnan()), f"DAF changed the forward output\n{where}"
@@ -272,17 +275,32 @@ def compare(plain: Outcome, wrapped: Outcome, spec: ModelSpec, label: str = "",
             # of cancelling terms), DAF must do as well as ideal 8-bit codes of the same saved tensors.
             references = ideal() if ideal is not None else []
             bound = min((_cosine(g, r.grads[name]) for r in references if r.error is None), default=None)
-            if bound is not None and 1 - cosine <= IDEAL_FACTOR * (1 - bound):
-                if currently_in_test_context():
-                    event("cosine below 0.999, within the ideal 8-bit codes' error")
+            if bound is not None and 1 - cosine <= factor * (1 - bound):
+                _event("cosine below 0.999, within the ideal 8-bit codes' error")
                 continue
             bad.append(f"{name}: cosine {cosine:.6f} (norm {norms[name]:.3g}, largest {scale:.3g}); "
                        f"ideal 8-bit codes {bound if bound is None else round(bound, 6)}")
         else:
             difference = (g.double() - d.double()).norm().item()
-            if not difference <= NEGLIGIBLE_DIFFERENCE * scale:
-                bad.append(f"{name}: negligible gradient (norm {norms[name]:.3g}) off by {difference:.3g}")
+            if difference <= NEGLIGIBLE_DIFFERENCE * scale:
+                continue
+            # An analytically zero gradient that the codes make non-zero: the bias before a BatchNorm, whose
+            # backward uses the exact saved mean with the decoded input (their mean no longer matches).
+            references = ideal() if ideal is not None else []
+            bound = max(((g.double() - r.grads[name].double()).norm().item() for r in references
+                         if r.error is None), default=None)
+            if bound is not None and difference <= factor * bound:
+                _event("negligible gradient off by more than 2%, within the ideal 8-bit codes' error")
+                continue
+            bad.append(f"{name}: negligible gradient (norm {norms[name]:.3g}, largest {scale:.3g}) off by "
+                       f"{difference:.3g}; ideal 8-bit codes by {bound if bound is None else float(f'{bound:.3g}')}")
     assert not bad, "DAF's gradients differ from plain autograd's:\n  " + "\n  ".join(bad) + f"\n{where}"
+
+
+def _event(text: str) -> None:
+    """A line of ``--hypothesis-show-statistics``: how often each outcome came up."""
+    if currently_in_test_context():
+        event(text)
 
 
 def _missed_inplace(plain: Outcome, wrapped: Outcome) -> bool:
@@ -290,6 +308,8 @@ def _missed_inplace(plain: Outcome, wrapped: Outcome) -> bool:
 
 
 def check(spec: ModelSpec, config: daf.Config, steps: int = 1) -> None:
+    # Stochastic rounding's error has twice the variance of nearest rounding's (step^2 / 6 against / 12).
+    factor = IDEAL_FACTOR * (2 if config.rounding == "stochastic" else 1)
     model = build(spec)
     wrapped = daf.wrap(copy.deepcopy(model), config)
     try:
@@ -311,10 +331,12 @@ def check(spec: ModelSpec, config: daf.Config, steps: int = 1) -> None:
             # a compressed save's version through a weak reference to the saved tensor object, so a change
             # made through a view or a detached alias after that object is gone goes unseen. DAF then uses
             # the values of pack time: its gradients must still be those of plain autograd on them.
+            _event("in-place change DAF missed (known gap), gradients of pack-time values")
             reference = run(build(spec), spec, steps, snapshot)[step]
-            compare(reference, outcome, spec, label + "in-place change DAF missed; against pack-time values: ")
+            compare(reference, outcome, spec, label + "in-place change DAF missed; against pack-time values: ",
+                    lambda step=step: ideal(step), factor)
             return
-        compare(plain, outcome, spec, label, lambda step=step: ideal(step))
+        compare(plain, outcome, spec, label, lambda step=step: ideal(step), factor)
     assert len(plain_outcomes) == len(daf_outcomes)
 
 
