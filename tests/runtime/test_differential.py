@@ -78,6 +78,16 @@ NEGLIGIBLE_DIFFERENCE = 2e-2
 IDEAL_FACTOR = 3.0
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tensors of a few thousand elements gain nothing from intra-op threads; on busy shared cores
+    OpenMP's spinning threads made the file 3 to 5 times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- strategies ---------------------------------------------------------------------------------
 
 def _leaf_blocks(channels: int) -> st.SearchStrategy[tuple]:
