@@ -69,8 +69,9 @@ ADAPTIVE = daf.Config(policy=daf.Adaptive(average=8.0, replan_every=1, window=1)
 # A parameter's gradient is compared by cosine when its norm is above this fraction of the largest
 # gradient norm of the run (parameters and input). Below, it is rounding noise of a gradient that
 # is zero or nearly so analytically (e.g. the bias of a layer followed by BatchNorm) and its
-# direction means nothing; there only the difference is bounded (by ``NEGLIGIBLE_DIFFERENCE``).
-NEGLIGIBLE = {"float64": 1e-6, "float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+# direction means nothing; there only the difference is bounded (by ``NEGLIGIBLE_DIFFERENCE``). In float16
+# the bias before a BatchNorm had 2% of the largest norm in plain autograd (and a cosine of -0.9 to DAF's).
+NEGLIGIBLE = {"float64": 1e-6, "float32": 1e-4, "bfloat16": 5e-2, "float16": 3e-2}
 NEGLIGIBLE_DIFFERENCE = 2e-2
 # A cosine below COSINE passes when DAF's 1 - cosine is at most this multiple of the worst of ideal 8-bit
 # codes' (``_ideal_codes``: float64, nearest, at each of ``IDEAL_OFFSETS``) on the same run; twice this
@@ -93,7 +94,9 @@ def _one_thread():
 def _leaf_blocks(channels: int) -> st.SearchStrategy[tuple]:
     """Blocks without nested blocks."""
     booleans = st.booleans()
-    heads = st.sampled_from([h for h in (1, 2, 4) if channels % h == 0])
+    # At least 4 channels per head: with 2, QK-norm leaves q and k at +-1 and the logits tie, where the
+    # gradient is ill-conditioned (ideal 8-bit codes gave cosine 0.77 on one such model).
+    heads = st.sampled_from([h for h in (1, 2, 4) if channels % h == 0 and channels // h >= 4])
     return st.one_of(
         st.tuples(st.just("linear"), booleans),
         st.tuples(st.just("mlp"), st.sampled_from([1, 2]), st.sampled_from(ACTIVATIONS), booleans),
@@ -319,6 +322,9 @@ def _missed_inplace(plain: Outcome, wrapped: Outcome) -> bool:
 
 def check(spec: ModelSpec, config: daf.Config, steps: int = 1) -> None:
     # Stochastic rounding's error has twice the variance of nearest rounding's (step^2 / 6 against / 12).
+    # One realization can still be far worse on an ill-conditioned gradient: eager attention into GroupNorm
+    # (spec in the commit message of this line) gave proj.weight cosines from -0.97 to 0.997 over twelve
+    # Config.seed values, 0.966 at nearest; a longer hunt (DAF_DIFFERENTIAL_EXAMPLES=2500) can meet such a model.
     factor = IDEAL_FACTOR * (2 if config.rounding == "stochastic" else 1)
     model = build(spec)
     wrapped = daf.wrap(copy.deepcopy(model), config)
@@ -352,7 +358,7 @@ def check(spec: ModelSpec, config: daf.Config, steps: int = 1) -> None:
 
 # -- the properties -----------------------------------------------------------------------------
 
-@settings(max_examples=EXAMPLES or 200, deadline=None, derandomize=True, database=None)
+@settings(max_examples=EXAMPLES or 400, deadline=None, derandomize=True, database=None)
 @given(spec=model_specs())
 def test_daf_gradients_match_plain_autograd_or_both_raise(spec):
     check(spec, UNIFORM)
@@ -364,7 +370,7 @@ def test_daf_gradients_match_plain_autograd_or_both_raise(spec):
 ADAPTIVE_STEPS = 1
 
 
-@settings(max_examples=EXAMPLES or 40, deadline=None, derandomize=True, database=None)
+@settings(max_examples=EXAMPLES or 100, deadline=None, derandomize=True, database=None)
 @given(spec=model_specs(dtypes=("float32", "bfloat16")))
 def test_adaptive_gradients_match_plain_autograd_or_both_raise(spec):
     check(spec, ADAPTIVE, steps=ADAPTIVE_STEPS)
