@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from daf.allocator.native import status as _allocator_status
 from daf.config import Config
 from daf.report import Report
 from daf.runtime import Session
+from daf.tracing.threads import PerThreadStack
 
 __all__ = ["wrap", "unwrap", "compress", "report", "session_of", "allocator_status", "native_status"]
 
@@ -73,7 +73,7 @@ class _Attachment:
     def __init__(self, model: nn.Module, session: Session, compiled: list[str]) -> None:
         self.session = session
         self._root = weakref.ref(model)
-        self._local = threading.local()  # each thread's forward enters hooks of its own (autograd's are per thread)
+        self._local = PerThreadStack()  # each thread's forward enters hooks of its own (autograd's are per thread)
         self._parts: set[int] = set()  # ids of the modules that began a part of the current forward
         self._covered: set[int] = set()  # ids of the modules under those
         self._subtrees: dict[int, frozenset[int]] = {}
@@ -102,14 +102,16 @@ class _Attachment:
 
     @property
     def _contexts(self) -> list[Any]:
-        contexts = getattr(self._local, "contexts", None)
-        if contexts is None:
-            contexts = self._local.contexts = []
-        return contexts
+        return self._local.items
+
+    @staticmethod
+    def _builds_graph() -> bool:
+        """Whether a forward now records a graph for a backward of its own (not inside backward)."""
+        return (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+                and torch._C._current_graph_task_id() == -1)  # -1: not inside backward
 
     def _active(self, module: nn.Module) -> bool:
-        return (module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-                and torch._C._current_graph_task_id() == -1)  # -1: not inside backward
+        return module.training and self._builds_graph()
 
     def _begin(self, enter: Callable[..., None] | None, module: nn.Module, args: Any) -> None:
         contexts = self._contexts
@@ -117,7 +119,7 @@ class _Attachment:
             self._warn_compiled()
             contexts.append(None)
         elif contexts or not self._active(module) or id(module) in self._compiled:
-            if not contexts and self._graph_without_training(module):
+            if not contexts and not module.training and self._builds_graph():  # eval() with grad
                 self._warn_eval()
             contexts.append(None)  # nested in a forward of the tree (or inactive): the outermost decides
         else:
@@ -155,12 +157,6 @@ class _Attachment:
         if context is not None:
             context.__exit__(None, None, None)
             self.session.end_forward()
-
-    @staticmethod
-    def _graph_without_training(module: nn.Module) -> bool:
-        """Forward in eval() mode that still builds a graph: its saves are not compressed."""
-        return (not module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-                and torch._C._current_graph_task_id() == -1)
 
     def _warn_eval(self) -> None:
         if not self._warned_eval:

@@ -19,7 +19,7 @@ def relu_out():
 
 
 def _context(op=None, bits=2, **overrides) -> Context:
-    fields = dict(site="m#0", op=op, is_parameter=False, shared=False, relu_mask=False, masks=True,
+    fields = dict(site="m#0", op=op, is_parameter=False, shared=None, relu_mask=None, masks=True,
                   min_numel=16, nonzeros_only=False, bits_for=lambda site, x, op: bits)
     fields.update(overrides)
     return Context(**fields)
@@ -36,20 +36,20 @@ TABLE = [
      Encoding(Kind.MASK, 1, "mask", (0.0, 1.0))),
     ("integer", lambda: torch.arange(4096), _context(), Encoding(Kind.RAW)),
     ("small", lambda: _history(torch.randn(3, 3)), _context(), Encoding(Kind.RAW)),
-    ("shared", lambda: _history(torch.randn(64, 64)), _context(shared=True), Encoding(Kind.SHARED)),
+    ("shared", lambda: _history(torch.randn(64, 64)), _context(shared=object()), Encoding(Kind.SHARED)),
     ("two values with history", lambda: _history(torch.full((64, 64), 2.0)), _context(),
      Encoding(Kind.MASK, 1, "mask", (2.0, 2.0))),
     ("codes", lambda: _history(torch.randn(64, 64)), _context(bits=4), Encoding(Kind.CODES, 4, "codes")),
     ("the policy keeps it raw", lambda: _history(torch.randn(64, 64)), _context(bits=0), Encoding(Kind.RAW, 0)),
-    ("relu output saved again, nonzeros", relu_out, _context(relu_mask=True, nonzeros_only=True),
+    ("relu output saved again, nonzeros", relu_out, _context(relu_mask=object(), nonzeros_only=True),
      Encoding(Kind.NONZEROS, 2, "codes")),
     ("float64 too small for the codes", lambda: _history(torch.randn(64, 64, dtype=torch.float64)) * 1e-60,
      _context(), Encoding(Kind.RAW)),
     ("float64 in range", lambda: _history(torch.randn(64, 64, dtype=torch.float64)), _context(),
      Encoding(Kind.CODES, 2, "codes")),
-    ("relu output, policy codes all", relu_out, _context(relu_mask=True), Encoding(Kind.CODES, 2, "codes")),
+    ("relu output, policy codes all", relu_out, _context(relu_mask=object()), Encoding(Kind.CODES, 2, "codes")),
     ("relu output with a NaN stays whole", lambda: torch.relu(_history(torch.randn(64, 64))).index_fill(0, torch.tensor([3]), float("nan")),
-     _context(relu_mask=True, nonzeros_only=True), Encoding(Kind.CODES, 2, "codes")),
+     _context(relu_mask=object(), nonzeros_only=True), Encoding(Kind.CODES, 2, "codes")),
 ]
 
 
@@ -61,7 +61,7 @@ def test_route(name, make, context, expected):
 def test_nonzeros_carry_the_positive_values_and_the_policy_sees_them():
     x = relu_out()
     seen = []
-    context = _context(relu_mask=True, nonzeros_only=True, bits_for=lambda site, data, op: seen.append(data) or 8)
+    context = _context(relu_mask=object(), nonzeros_only=True, bits_for=lambda site, data, op: seen.append(data) or 8)
     encoding = route(x, context)
     assert encoding.kind is Kind.NONZEROS and torch.equal(encoding.data, x[x > 0])
     assert seen[0] is encoding.data

@@ -90,8 +90,6 @@ def _step(workload: Any, model: Any, optimizer: Any, batch: Any) -> float:
 def measure(workload_name: str, batch: int, steps: int = 5, warmup: int = 2, options: dict | None = None,
             config: Any = None) -> dict[str, Any]:
     """Per-component seconds of ``steps`` DAF steps against fp32 on ``workload_name`` (see module docstring)."""
-    import torch
-
     import daf
     from daf.tracing import OpTracker
     from daf.workloads import get_workload
@@ -113,7 +111,6 @@ def measure(workload_name: str, batch: int, steps: int = 5, warmup: int = 2, opt
         row.update(clock.seconds)
         if index >= warmup:
             rows.append(row)
-    del torch
     return {"workload": workload_name, "batch": batch, "steps": steps, "warmup": warmup,
             "options": options or {}, "components": _components(rows), "rows": rows}
 

@@ -16,7 +16,7 @@ from daf import api
 from daf.config import Config
 from daf.runtime import Session
 
-__all__ = ["figures", "Wrapping"]
+__all__ = ["figures", "Wrapping", "WrappingCallback"]
 
 
 def figures(session: Session, prefix: str = "daf/") -> dict[str, float]:
@@ -50,3 +50,15 @@ class Wrapping:
 
     def figures(self) -> dict[str, float]:
         return figures(self.session) if self.session is not None else {}
+
+
+class WrappingCallback:
+    """What both frameworks' callbacks share: the ``Wrapping`` built from ``daf.wrap``'s arguments, and
+    its ``session`` (``daf.report(callback.session)`` after training)."""
+
+    def __init__(self, config: Config | None = None, **overrides: Any) -> None:
+        self._wrapping = Wrapping(config, **overrides)
+
+    @property
+    def session(self) -> Session | None:
+        return self._wrapping.session

@@ -16,25 +16,17 @@ try:
 except ImportError:  # the standalone package, before "lightning" bundled it
     from pytorch_lightning import Callback, LightningModule, Trainer
 
-from daf.config import Config
-from daf.integrations import Wrapping
+from daf.integrations import WrappingCallback
 
 __all__ = ["DAFCallback"]
 
 
-class DAFCallback(Callback):
+class DAFCallback(WrappingCallback, Callback):
     """Compress what the LightningModule saves for backward while it fits; log DAF's figures.
 
     ``config`` and keyword overrides are those of ``daf.wrap``; after fitting ``callback.session`` holds
     the session (``daf.report(callback.session)``).
     """
-
-    def __init__(self, config: Config | None = None, **overrides: Any) -> None:
-        self._wrapping = Wrapping(config, **overrides)
-
-    @property
-    def session(self):
-        return self._wrapping.session
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":

@@ -15,25 +15,17 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from daf.config import Config
-from daf.integrations import Wrapping
+from daf.integrations import WrappingCallback
 
 __all__ = ["DAFCallback"]
 
 
-class DAFCallback(TrainerCallback):
+class DAFCallback(WrappingCallback, TrainerCallback):
     """Compress what the Trainer's model saves for backward; log DAF's figures with the Trainer's logs.
 
     ``config`` and keyword overrides are those of ``daf.wrap``; after training ``callback.session`` holds
     the session (``daf.report(callback.session)``).
     """
-
-    def __init__(self, config: Config | None = None, **overrides: Any) -> None:
-        self._wrapping = Wrapping(config, **overrides)
-
-    @property
-    def session(self):
-        return self._wrapping.session
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, **kwargs: Any) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -64,14 +65,15 @@ class Encoding:
 
 @dataclass(frozen=True)
 class Context:
-    """What routing knows besides the tensor. ``shared``: an earlier save of this tensor is stored;
-    ``relu_mask``: ReLU's mask of this very tensor is stored; ``bits_for(site, x, op)``: the policy."""
+    """What routing knows besides the tensor. ``shared``: the record of an earlier save of this tensor,
+    if one is stored (else None); ``relu_mask``: the record of ReLU's mask of this very tensor, if one is
+    stored; ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
 
     site: str
     op: OpCall | None
     is_parameter: bool
-    shared: bool
-    relu_mask: bool
+    shared: Any | None
+    relu_mask: Any | None
     masks: bool
     min_numel: int
     nonzeros_only: bool
@@ -95,12 +97,12 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
         return RELU_MASK
     if not compressible(tensor, context.min_numel):
         return _mask_or(tensor, context, RAW)
-    if context.shared:
+    if context.shared is not None:
         return SHARED
     mask = _mask_or(tensor, context, None)
     if mask is not None:
         return mask
-    nonzeros = nonzeros_of(tensor, context.min_numel) if context.relu_mask and context.nonzeros_only else None
+    nonzeros = nonzeros_of(tensor, context.min_numel) if context.relu_mask is not None and context.nonzeros_only else None
     data = tensor if nonzeros is None else nonzeros
     bits = context.bits_for(context.site, data, context.op)
     if bits == 0:

@@ -6,7 +6,6 @@ lives at module level. ``pack`` and ``unpack`` are the saved-tensor hooks.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -24,6 +23,7 @@ from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.route import Context, Encoding, Kind, route
 from daf.tracing import OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, parameter_storages
+from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
 
@@ -120,7 +120,7 @@ class Session:
         # decodes it once. Holds at most one decoded tensor, dropped with its record.
         self._recent: tuple[weakref.ref, torch.Tensor] | None = None
         # Which torch function is running, per thread (torch's function modes are per thread too).
-        self._local = threading.local()
+        self._local = PerThreadStack()
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -153,36 +153,38 @@ class Session:
     def pack(self, tensor: torch.Tensor) -> Any:
         site = self.sites.next_site()
         op = self._current_op()
-        encoding = route(tensor, self._context(site, tensor, op))
-        saved, stored = self._keep(encoding, tensor, site, op)
+        context = self._context(site, tensor, op)
+        encoding = route(tensor, context)
+        saved, stored = self._keep(encoding, tensor, context)
         row = self.accounting.add(site, tensor, encoding, stored)
         if isinstance(saved, _Saved) and saved.pending is not None:
             saved.row = row  # its bytes are filled in when the background pack is collected
         self._observe(op, encoding, site, tensor, saved)
         return saved
 
-    def _keep(self, encoding: Encoding, tensor: torch.Tensor, site: str, op: OpCall | None) -> tuple[Any, int]:
+    def _keep(self, encoding: Encoding, tensor: torch.Tensor, context: Context) -> tuple[Any, int]:
         """What autograd holds for ``tensor``, and the bytes that costs."""
         if encoding.kind.stored:
-            return self._encode_and_put(encoding, tensor, site, op)
+            return self._encode_and_put(encoding, tensor, context)
         if encoding.kind is Kind.SHARED:
-            return self._shared.get(tensor), 0
-        return _Kept(tensor, site), tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0
+            return context.shared, 0
+        return (_Kept(tensor, context.site),
+                tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0)
 
     def _context(self, site: str, tensor: torch.Tensor, op: OpCall | None) -> Context:
         return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
-                       shared=self._shared.get(tensor) is not None,
-                       relu_mask=self._relu_masks.get(tensor) is not None, masks=self.config.masks,
+                       shared=self._shared.get(tensor), relu_mask=self._relu_masks.get(tensor),
+                       masks=self.config.masks,
                        min_numel=self.config.min_numel, nonzeros_only=self.policy.codes_nonzeros_only,
                        bits_for=self._bits_for)
 
-    def _encode_and_put(self, encoding: Encoding, tensor: torch.Tensor, site: str,
-                        op: OpCall | None) -> tuple["_Saved", int]:
+    def _encode_and_put(self, encoding: Encoding, tensor: torch.Tensor, context: Context) -> tuple["_Saved", int]:
         """Encode (here or on the packer's thread) and store; (the record, its bytes: 0 while pending)."""
+        site, op = context.site, context.op
         spec = Spec(encoding.bits, self._next_seed(), op.name if op is not None else None, encoding.values)
         importance = self.policy.importance(site, self._packs)
         data = encoding.data if encoding.data is not None else tensor
-        mask = self._relu_masks.get(tensor) if encoding.kind is Kind.NONZEROS else None
+        mask = context.relu_mask if encoding.kind is Kind.NONZEROS else None
         codes = encoding.kind in (Kind.CODES, Kind.NONZEROS)
         if codes and self.packer is not None:
             saved = _Saved(self.store, None, site, _Source(tensor),
@@ -243,10 +245,7 @@ class Session:
 
     # -- op tracking -----------------------------------------------------------------------
     def _trackers(self) -> list[OpTracker]:
-        trackers = getattr(self._local, "trackers", None)
-        if trackers is None:
-            trackers = self._local.trackers = []
-        return trackers
+        return self._local.items
 
     def _current_op(self) -> OpCall | None:
         trackers = self._trackers()

@@ -8,11 +8,12 @@ bit policy and the importance index key on.
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from daf.tracing.threads import PerThreadStack
 
 __all__ = ["SiteTracker"]
 
@@ -23,15 +24,12 @@ class SiteTracker:
     """Follows which module is running, through forward pre/post hooks on every submodule."""
 
     def __init__(self) -> None:
-        self._local = threading.local()  # a forward on another thread has a module stack of its own
+        self._local = PerThreadStack()  # a forward on another thread has a module stack of its own
         self._counts: Counter[str] = Counter()
 
     @property
     def _stack(self) -> list[str]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
+        return self._local.items
 
     def reset(self) -> None:
         """Start counting a new forward."""
