@@ -26,8 +26,11 @@ __all__ = ["wrap", "unwrap", "compress", "report", "session_of", "allocator_stat
 _ATTR = "_daf_attachment"
 
 
-def _inert_hook(*args: Any) -> None:
-    """What a copy of a wrapped model holds in place of DAF's hooks: nothing to do."""
+def _inert_hook(module: nn.Module, *args: Any) -> None:
+    """What a copy of a wrapped model holds in place of DAF's hooks: nothing to do but say so when the copy
+    trains (once per process: the warning is issued from this one line). ``daf.wrap`` removes these."""
+    if module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        warnings.warn(COPY_WARNING, stacklevel=1)
 
 
 def _inert(*args: Any) -> Any:
@@ -183,11 +186,23 @@ class _Attachment:
 EVAL_WARNING = ("DAF: the wrapped model ran forward in eval() mode with grad enabled; DAF compresses only in "
                 "training mode, so what this forward saves for backward is kept as it is. Call model.train() "
                 "to train with DAF, or evaluate under torch.no_grad(). (Said once per wrapped model.)")
+COPY_WARNING = ("DAF: a copy of a wrapped model (deepcopy, pickle, torch.save, AveragedModel) is trained, and "
+                "copies come back unwrapped: nothing it saves is compressed. Call daf.wrap(copy) to compress "
+                "it (docs/integrations.md, 'Copies and EMA').")
 COMPILED_WARNING = (
     "DAF: {what}, and DAF compresses nothing there: a compiled graph saves "
     "its tensors without autograd history, which DAF keeps raw. Training goes on uncompressed, at full "
     "activation memory. To compress, run the wrapped model eagerly (drop torch.compile), or compile only "
     "parts outside the wrapped model (docs/integrations.md, 'torch.compile').")
+
+
+def _remove_inert_hooks(model: nn.Module) -> None:
+    """Drop what a copy kept of an earlier wrapping (``_inert_hook``): the model is being wrapped anew."""
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [key for key, hook in hooks.items() if hook is _inert_hook]:
+                del hooks[key]
+                module._forward_hooks_always_called.pop(key, None)
 
 
 def _compiled_parts(model: nn.Module) -> list[str]:
@@ -236,6 +251,7 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
         what = ("this model is compiled with torch.compile" if "" in compiled
                 else f"{', '.join(compiled)} of this model run under torch.compile")
         warnings.warn(COMPILED_WARNING.format(what=what), stacklevel=2)
+    _remove_inert_hooks(model)
     object.__setattr__(model, _ATTR, _Attachment(model, _session(config), compiled))
     return model
 
