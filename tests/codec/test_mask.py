@@ -174,3 +174,31 @@ def test_two_values_of_a_constant_tensor_longer_than_a_slice(monkeypatch):
     x[999] = 0.0  # +0.0 differs from -0.0 bit for bit
     low, high = two_values(x)
     assert str(low) == "-0.0" and str(high) == "0.0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_relu_mask_comes_back_as_bool_and_threshold_backward_reads_it_like_the_output(dtype):
+    x = torch.randn(4, 6, 5, 5, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 0, 0] = float("nan")
+    result = torch.relu(x).contiguous(memory_format=torch.channels_last)
+    restored = daf.codec.Codecs(daf.Config()).decode(encode_relu_mask(result))
+    assert restored.dtype == torch.bool and restored.element_size() == 1  # a quarter of float32's bytes
+    assert restored.shape == result.shape and restored.stride() == result.stride()
+    grad = torch.randn_like(result)
+    assert torch.equal(torch.ops.aten.threshold_backward(grad, restored, 0),
+                       torch.ops.aten.threshold_backward(grad, result, 0))
+
+
+def test_relu_mask_as_bool_trains_and_double_backward_works():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
+    x = torch.randn(64, 64, requires_grad=True)
+    (plain,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+    daf.wrap(model, bits=8, min_numel=1)
+    try:
+        (wrapped,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+        assert F.cosine_similarity(plain.flatten(), wrapped.flatten(), dim=0) > 0.999
+        wrapped.square().sum().backward()  # backward through ReLU's backward, whose mask is bool
+        assert torch.isfinite(x.grad).all()
+    finally:
+        daf.unwrap(model)

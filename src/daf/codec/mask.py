@@ -8,7 +8,9 @@ Two cases, both safe whatever the consumer is:
 * ReLU's own saved output: ``relu`` saves its result only for ``threshold_backward``,
   which reads nothing but whether ``result <= 0`` (it zeroes the gradient there and
   passes it elsewhere, where the output is NaN included). That save alone is stored as
-  the bit ``not (x <= 0)`` (``x > 0`` or NaN) and decodes to 0/1. Other ops that save
+  the bit ``not (x <= 0)`` (``x > 0`` or NaN) and decodes to a bool tensor, which
+  ``threshold_backward`` reads as it reads the output (1 byte per element in backward instead
+  of 4 for float32, and faster to read and write). Other ops that save
   the same tensor (the next convolution) get their own record: the session never
   shares a ReLU mask.
 
@@ -30,8 +32,8 @@ import torch
 from daf.codec.spec import Spec
 from daf.format import Packed, flatten_memory_order, restore_memory_order
 
-__all__ = ["MaskPacked", "MaskCodec", "ReluMaskCodec", "two_values", "encode_mask", "encode_relu_mask",
-           "decode_mask", "mask_bits", "mask_bytes", "MASK_DTYPES"]
+__all__ = ["MaskPacked", "ReluMaskPacked", "MaskCodec", "ReluMaskCodec", "two_values", "encode_mask",
+           "encode_relu_mask", "decode_mask", "decode_relu_mask", "mask_bits", "mask_bytes", "MASK_DTYPES"]
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
              torch.bfloat16: torch.int16, torch.bool: torch.uint8}
@@ -52,6 +54,12 @@ class MaskPacked(Packed):
 
     low: float = 0.0
     high: float = 1.0
+
+
+@dataclass
+class ReluMaskPacked(MaskPacked):
+    """ReLU's own saved output (``encode_relu_mask``): for ``threshold_backward`` only, which takes
+    the bool tensor ``decode_relu_mask`` gives in place of the float output."""
 
 
 def mask_bytes(numel: int) -> int:
@@ -171,7 +179,7 @@ def encode_relu_mask(result: torch.Tensor) -> MaskPacked:
         raise ValueError(f"encode_relu_mask takes ReLU's floating-point output, got {result.dtype}")
     flat, order = flatten_memory_order(result.detach())
     payload = _pack_bits(flat, lambda part: (part <= 0).logical_not_())  # threshold_backward's own test
-    return MaskPacked(payload, tuple(result.shape), order, result.dtype, 1, 0, low=0.0, high=1.0)
+    return ReluMaskPacked(payload, tuple(result.shape), order, result.dtype, 1, 0, low=0.0, high=1.0)
 
 
 def mask_bits(packed: MaskPacked) -> torch.Tensor:
@@ -182,6 +190,16 @@ def mask_bits(packed: MaskPacked) -> torch.Tensor:
     for start, end in _chunks(packed.numel):
         bits[start:end] = _unpack_bits(packed.payload, start, end)
     return bits
+
+
+def decode_relu_mask(packed: MaskPacked) -> torch.Tensor:
+    """ReLU's saved output as ``threshold_backward`` needs it: bool, True where the gradient passes
+    (output > 0 or NaN); same shape and strides order. A quarter of float32's bytes. O(numel).
+
+    >>> decode_relu_mask(encode_relu_mask(torch.tensor([0.0, 2.0, float("nan"), -0.0]))).tolist()
+    [False, True, True, False]
+    """
+    return restore_memory_order(mask_bits(packed), packed.shape, packed.order)
 
 
 def decode_mask(packed: MaskPacked) -> torch.Tensor:
@@ -219,5 +237,10 @@ class ReluMaskCodec(MaskCodec):
 
     name = "relu_mask"
 
+    packed_type = ReluMaskPacked
+
     def encode(self, x: torch.Tensor, spec: Spec) -> MaskPacked:
         return encode_relu_mask(x)
+
+    def decode(self, packed: MaskPacked) -> torch.Tensor:
+        return decode_relu_mask(packed)

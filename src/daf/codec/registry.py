@@ -15,7 +15,7 @@ import torch
 
 from daf.codec.backends import Backend, select_backend
 from daf.codec.division import DivisionCodec, DivisionPacked
-from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec
+from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec, ReluMaskPacked
 from daf.codec.minmax import MinMaxCodec
 from daf.codec.spec import Codec, Spec
 from daf.config import Config, Division, MinMax, register_config_type
@@ -66,7 +66,8 @@ class Codecs:
         self.codes = codes_codec(config, self.backend)
         self._by_name: dict[str, Codec] = {"codes": self.codes, "mask": MaskCodec(), "relu_mask": ReluMaskCodec()}
         # most derived first: a DivisionPacked and a MaskPacked are also Packed
-        self._decoders: list[tuple[type, Codec]] = [(MaskPacked, self._by_name["mask"]),
+        self._decoders: list[tuple[type, Codec]] = [(ReluMaskPacked, self._by_name["relu_mask"]),
+                                                    (MaskPacked, self._by_name["mask"]),
                                                     (DivisionPacked, self.codes), (Packed, self.codes)]
 
     @property
