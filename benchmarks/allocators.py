@@ -70,9 +70,18 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--modes", help="comma-separated mode labels to run (default: every mode this machine has), "
+                                        "e.g. 'system,tcmalloc in-process,tcmalloc preloaded'")
     args = parser.parse_args()
     rows = []
-    for label, allocator, env in modes():
+    chosen = modes()
+    if args.modes:
+        wanted = [m.strip() for m in args.modes.split(",")]
+        unknown = sorted(set(wanted) - {label for label, _, _ in chosen})
+        if unknown:
+            parser.error(f"unknown --modes {unknown}; this machine has: {', '.join(label for label, _, _ in chosen)}")
+        chosen = [mode for mode in chosen if mode[0] in wanted]
+    for label, allocator, env in chosen:
         cells = {arm: run_cell(args.workload, args.batch, args.steps, arm == "fp32", allocator, env)
                  for arm in ("fp32", "daf")}
         rows.append({"mode": label, "env": env, **cells})
