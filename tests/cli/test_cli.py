@@ -112,6 +112,34 @@ def test_compare_runs_both_arms_with_the_same_seed_and_data(tmp_path):
     assert "fp32 (system malloc)" in done.stdout
 
 
+def test_compare_at_several_seeds_summarizes_mean_and_spread(tmp_path):
+    path = tmp_path / "seeds.json"
+    done = subprocess.run(_daf("compare", "tiny-mnist", "--steps", "2", "--seed", "3", "--seeds", "2", *TINY,
+                               "--bits", "4", "--json", str(path), "--no-plots"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(path.read_text())
+    assert sorted(data["runs"]) == ["daf/seed3", "daf/seed4", "fp32/seed3", "fp32/seed4"]
+    assert {run["seed"] for run in data["runs"].values()} == {3, 4}
+    for seed in (3, 4):  # the two arms of one seed start from the same weights and see the same batches
+        fp32, compressed = data["runs"][f"fp32/seed{seed}"], data["runs"][f"daf/seed{seed}"]
+        assert fp32["init_digest"] == compressed["init_digest"] and fp32["data_digest"] == compressed["data_digest"]
+    assert data["runs"]["fp32/seed3"]["init_digest"] != data["runs"]["fp32/seed4"]["init_digest"]
+    summary = data["seeds"]
+    accuracies = [100 * data["runs"][f"fp32/seed{s}"]["eval"]["accuracy"] for s in (3, 4)]
+    assert summary["arms"]["fp32"]["mean"] == pytest.approx(sum(accuracies) / 2)
+    assert summary["arms"]["fp32"]["std"] == pytest.approx(abs(accuracies[0] - accuracies[1]) / 2 ** 0.5)
+    differences = [100 * (data["runs"][f"daf/seed{s}"]["eval"]["accuracy"]
+                          - data["runs"][f"fp32/seed{s}"]["eval"]["accuracy"]) for s in (3, 4)]
+    assert summary["difference"]["mean"] == pytest.approx(sum(differences) / 2)
+    assert "over seeds 3, 4" in done.stdout and "DAF - fp32:" in done.stdout
+
+
+def test_seeds_must_be_a_positive_count():
+    done = subprocess.run(_daf("compare", "tiny-mnist", "--seeds", "0"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--seeds" in done.stderr
+
+
 def _interrupt_after_start(command, timeout=120):
     # SIGINT back to its default in the child: a test runner started as a shell's background job
     # inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored.

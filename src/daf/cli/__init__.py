@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--result-file", help=argparse.SUPPRESS)
     compare = commands.add_parser("compare", help="fp32 and DAF side by side, same seed and data order")
     _common(compare, names())
+    compare.add_argument("--seeds", type=_positive_int, default=1,
+                         help="compare at this many seeds (--seed, --seed + 1, ...) and print the metric's mean and "
+                              "spread over them (1)")
     compare.add_argument("--fp32-allocator", choices=("auto", "system", *ALLOCATORS), dest="fp32_allocator",
                          help="the fp32 arm's allocator (default: --allocator's); 'system' runs it as a plain "
                               "PyTorch user does")
@@ -199,9 +202,9 @@ def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> di
     return fields
 
 
-def _train_argv(args: argparse.Namespace, fp32: bool) -> list[str]:
+def _train_argv(args: argparse.Namespace, fp32: bool, seed: int | None = None) -> list[str]:
     allocator = (getattr(args, "fp32_allocator", None) or args.allocator) if fp32 else args.allocator
-    argv = [args.workload, "--seed", str(args.seed), "--trace-step", str(args.trace_step), "--no-plots",
+    argv = [args.workload, "--seed", str(args.seed if seed is None else seed), "--trace-step", str(args.trace_step), "--no-plots",
             "--allocator", allocator]
     for flag in ("steps", "batch"):
         if getattr(args, flag) is not None:
@@ -310,25 +313,58 @@ def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], c
     return _finish(args, argv, {record["arm"]: record}, record["interrupted"], f"{args.workload}-{record['arm']}")
 
 
-def _compare(args: argparse.Namespace, argv: list[str]) -> int:
+def _compare_at(args: argparse.Namespace, seed: int) -> tuple[dict[str, dict[str, Any]], bool, bool]:
+    """Both arms at ``seed``, each in its own process: (runs by arm, interrupted, an arm failed)."""
     from daf.cli.arms import run_arm_subprocess
     runs: dict[str, dict[str, Any]] = {}
     interrupted = False
     for arm in ("fp32", "daf"):
-        print(f"== {args.workload}: {arm} arm (own process) ==", file=sys.stderr, flush=True)
-        record, pressed, error = run_arm_subprocess(_train_argv(args, fp32=arm == "fp32"))
+        print(f"== {args.workload}: {arm} arm, seed {seed} (own process) ==", file=sys.stderr, flush=True)
+        record, pressed, error = run_arm_subprocess(_train_argv(args, fp32=arm == "fp32", seed=seed))
         if record is not None:
             runs[arm] = record
         interrupted = interrupted or pressed or bool(record and record["interrupted"])
         if error is not None:
             _fail(f"the {arm} arm stopped: {error}")
-            if not interrupted:
-                if runs:
-                    _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
-                return EXIT_FAILED
+            return runs, interrupted, not interrupted
         if interrupted:
             break
-    return _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
+    return runs, interrupted, False
+
+
+def _compare(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.seeds == 1:
+        runs, interrupted, failed = _compare_at(args, args.seed)
+        if failed:
+            if runs:
+                _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
+            return EXIT_FAILED
+        return _finish(args, argv, runs, interrupted, f"{args.workload}-compare")
+    return _compare_seeds(args, argv)
+
+
+def _compare_seeds(args: argparse.Namespace, argv: list[str]) -> int:
+    from daf.cli.record import envelope, write_json
+    from daf.cli.seeds import format_seed_summary, seed_summary
+    from daf.cli.table import format_table
+    by_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    interrupted = failed = False
+    for seed in range(args.seed, args.seed + args.seeds):
+        runs, interrupted, failed = _compare_at(args, seed)
+        if runs:
+            by_seed[seed] = runs
+            print(f"\n{args.workload}: seed {seed}\n{format_table(list(runs.values()))}")
+        if interrupted or failed:
+            break
+    summary = seed_summary(by_seed) if by_seed else None
+    if summary is not None:
+        print()
+        print(format_seed_summary(summary))
+    if args.json:
+        runs = {f"{arm}/seed{seed}": run for seed, by_arm in by_seed.items() for arm, run in by_arm.items()}
+        path = write_json(args.json, {**envelope(args.command, argv, runs, interrupted, []), "seeds": summary})
+        print(f"figures: {path}")
+    return EXIT_INTERRUPTED if interrupted else EXIT_FAILED if failed else 0
 
 
 def entry() -> int:
