@@ -1,6 +1,6 @@
 """Compression kernels: native DAF against a naive plain-PyTorch quantizer, the reference codec and memcpy.
 
-flock /tmp/daf-cpu.lock python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256] [--large] [--resnet] [--json FILE]
+flock /tmp/daf-cpu.lock python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256] [--large] [--resnet] [--masks] [--json FILE]
 
 For each fp32 size and bit-width, medians after one warm-up run, all in the same run:
 - copy: ``y.copy_(x)`` into a preallocated tensor, GB/s of fp32 copied (the machine's bandwidth);
@@ -13,6 +13,9 @@ For each fp32 size and bit-width, medians after one warm-up run, all in the same
 Group size 256 (the strategy table: 2^16 and 2^20 too, where groups are few). GB/s count fp32 bytes in (compress) or out (decompress).
 ``--resnet`` adds, in the same run, the ResNet-18 training step (batch 64, 2 bits) for fp32, the
 reference codec and the native kernels (``benchmarks/resnet_step.py``, interleaved medians).
+``--masks`` measures only the 1-bit masks and the nonzeros path on a ReLU output of 128x64x28x28
+(6.4M elements): the plain-PyTorch/numpy default of each ``torch.ops.daf`` mask op (DAF's code before
+the kernels) against its C++ kernel, interleaved round by round, medians after a warm-up round.
 ``--dispatch`` measures what the op layer costs, in the same run, interleaved: the kernels called
 through ``torch.ops.daf`` (what DAF does) against the same kernels called directly through their
 pybind functions (how DAF called them before the op layer), per call and, with ``--resnet``, per
@@ -242,6 +245,53 @@ def resnet_dispatch(bits: int = 2, batch: int = 64, steps: int = 7, warmup: int 
     return result
 
 
+MASK_SHAPE = (128, 64, 28, 28)
+
+
+def bench_masks(rounds: int = 11, shape: tuple[int, ...] = MASK_SHAPE) -> dict:
+    """Median seconds per call of each mask op: default (numpy/plain PyTorch) against native, interleaved."""
+    from daf.kernels import mask_ops  # noqa: F401  (defines the ops; the native ones registered at load)
+
+    default_key = torch._C.DispatchKey.CompositeExplicitAutograd
+    relu = torch.randn(shape).relu().reshape(-1)  # about half zeros, as a ReLU output
+    numel = relu.numel()
+    dropout = (torch.rand(numel) > 0.1).float() / 0.9  # two values: dropout's scaled noise
+    bits = torch.ops.daf.relu_mask_encode(relu)
+    two_bits = torch.ops.daf.mask_encode(dropout)
+    nonzeros = relu[relu > 0]
+    values = torch.tensor([0.0, 1 / 0.9])
+    calls = {
+        "relu mask encode, float32": ("relu_mask_encode", relu),
+        "relu mask encode, bfloat16": ("relu_mask_encode", relu.bfloat16()),
+        "two-valued encode (dropout)": ("mask_encode", dropout),
+        "decode to bool (mask_bits)": ("mask_unpack", bits, numel),
+        "decode to two values": ("mask_select", two_bits, numel, values),
+        "nonzeros_of (count + compact)": ("relu_nonzeros", relu),
+        "scatter_nonzeros": ("mask_scatter", nonzeros, bits, numel),
+    }
+    times: dict[str, dict[str, list[float]]] = {k: {"default": [], "native": []} for k in calls}
+    for i in range(rounds + 1):  # round 0 warms up
+        for name, (op, *args) in calls.items():
+            packet = getattr(torch.ops.daf, op).default
+            runs = [("default", lambda: packet._op_dk(default_key, *args)), ("native", lambda: packet(*args))]
+            for impl, fn in runs if i % 2 else runs[::-1]:  # take turns at going first
+                start = time.perf_counter()
+                fn()
+                if i:
+                    times[name][impl].append(time.perf_counter() - start)
+    return {"shape": list(shape), "numel": numel, "rounds": rounds, "threads": torch.get_num_threads(),
+            "median_s": {k: {impl: statistics.median(t) for impl, t in v.items()} for k, v in times.items()}}
+
+
+def print_masks(result: dict) -> None:
+    print(f"\nmasks on {'x'.join(map(str, result['shape']))} ({result['numel']:,} elements), "
+          f"median of {result['rounds']} interleaved rounds, {result['threads']} threads")
+    print(f"{'operation':<32} | {'numpy/torch ms':>14} {'native ms':>10} {'speedup':>8}")
+    for name, m in result["median_s"].items():
+        print(f"{name:<32} | {m['default'] * 1e3:>14.2f} {m['native'] * 1e3:>10.2f} "
+              f"{m['default'] / m['native']:>7.1f}x")
+
+
 def print_row(row: dict) -> None:
     copy = row["copy_GBps"]
     print(f"\n{row['size_mb']} MB fp32 ({row['numel']:,} elements, median of {row['repeats']}): "
@@ -271,10 +321,18 @@ def main() -> None:
     parser.add_argument("--resnet", action="store_true", help="add the ResNet-18 step: fp32, reference, native")
     parser.add_argument("--dispatch", action="store_true",
                         help="only the op layer against direct calls (with --resnet: per ResNet-18 step too)")
+    parser.add_argument("--masks", action="store_true", help="only the 1-bit masks: default against native")
     parser.add_argument("--json")
     args = parser.parse_args()
     if native_backend() is None:
         raise SystemExit(f"native kernels unavailable: {native_status()}")
+    if args.masks:
+        figures = {"masks": bench_masks(), "native_status": native_status()}
+        print_masks(figures["masks"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=1)
+        return
     if args.dispatch:
         figures = {"dispatch": bench_dispatch(), "native_status": native_status()}
         print_dispatch(figures["dispatch"])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "FORMAT_VERSION", "ALLOWED_BITS", "META_BYTES", "EXCEPTION_LIMIT", "MIN_STEP",
+    "FORMAT_VERSION", "ALLOWED_BITS", "META_BYTES", "EXCEPTION_LIMIT", "MIN_STEP", "TINY_LIMIT",
     "Packed", "row_bytes", "num_groups", "payload_bytes", "flatten_memory_order", "restore_memory_order",
 ]
 
@@ -36,6 +36,11 @@ META_BYTES = 4
 EXCEPTION_LIMIT = 2.0**126
 # The smallest step: keeps 1/step finite for groups whose range is zero or tiny.
 MIN_STEP = 2.0**-126
+# A group whose nonzero elements are all below this in magnitude (float32 denormals and their
+# neighbours) would lose its scale to MIN_STEP: its nonzero elements are stored exactly instead.
+# 2**-100 keeps the step floor's error (2**-127) below float32's own precision (2**-24 relative)
+# for every group that is quantized. Encoder rule only: decoding is unchanged (docs/format.md).
+TINY_LIMIT = 2.0**-100
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -74,7 +79,8 @@ class Packed:
     (identity for contiguous tensors, NHWC for channels_last); decoding applies
     its inverse so that strides come back as they were. ``exc_index`` and
     ``exc_value`` hold, in memory order, the elements stored exactly (NaN, Inf,
-    magnitudes above ``EXCEPTION_LIMIT``); both are None when there are none.
+    magnitudes above ``EXCEPTION_LIMIT``, nonzeros of groups below ``TINY_LIMIT``);
+    both are None when there are none.
     """
 
     payload: torch.Tensor

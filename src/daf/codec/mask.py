@@ -22,11 +22,10 @@ Two cases, both safe whatever the consumer is:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
 from daf.codec.spec import Spec
@@ -35,13 +34,23 @@ from daf.format import Packed, flatten_memory_order, restore_memory_order
 __all__ = ["MaskPacked", "ReluMaskPacked", "MaskCodec", "ReluMaskCodec", "two_values", "encode_mask",
            "encode_relu_mask", "decode_mask", "decode_relu_mask", "mask_bits", "mask_bytes", "MASK_DTYPES"]
 
+# The integer type of each mask dtype's width (daf.kernels.mask_reference.INT_VIEW, which this
+# module does not import at import time: importing daf loads nothing of daf.kernels).
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
              torch.bfloat16: torch.int16, torch.bool: torch.uint8}
 MASK_DTYPES = tuple(_INT_VIEW)
 _SAMPLE = 4096
-# Elements per pass of the encoders and decoders (a multiple of 8): their temporaries are 1-2 bytes
-# per element of a slice, so a whole-tensor pass would add up to 75% of a float32 activation.
+# Elements per slice of two_values' scan: its temporaries are 1-2 bytes per element of a slice.
 _CHUNK = 1 << 20
+
+
+def _ops() -> Any:
+    """``torch.ops.daf`` with the mask ops defined: imported on first use, so that importing daf loads
+    nothing. Their CPU implementation is the C++ kernels once the extension is loaded in this process
+    (a native or auto codec backend loads it), the plain-PyTorch reference otherwise: same bytes."""
+    import daf.kernels.mask_ops  # noqa: F401  (defines the ops)
+
+    return torch.ops.daf
 
 
 @dataclass
@@ -73,7 +82,7 @@ def mask_bytes(numel: int) -> int:
 
 def _chunks(numel: int, first: int = _CHUNK) -> Iterator[tuple[int, int]]:
     """``(start, end)`` of consecutive slices of ``numel`` elements, the first ``first`` long, then
-    ``_CHUNK`` long: every pass over a tensor allocates temporaries of one slice, never of the tensor."""
+    ``_CHUNK`` long: a pass over a tensor allocates temporaries of one slice, never of the tensor."""
     start, size = 0, first
     while start < numel:
         yield start, min(start + size, numel)
@@ -109,51 +118,9 @@ def _scalar(t: torch.Tensor) -> float:
     return bool(t) if t.dtype == torch.bool else float(t)
 
 
-def _pack_bits(flat: torch.Tensor, bit_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """[n] -> uint8 [ceil(n / 8)]: bit ``j % 8`` of byte ``j // 8`` is ``bit_of(flat)[j]``, computed
-    slice by slice (a whole-tensor bool and its shifted copy would be 2 bytes per element).
-
-    On CPU the bits are packed by numpy's ``packbits`` (6x faster than the shifts, measured on a
-    6.4M-element ReLU output: 17 against 105 ms); ``_pack_slice_reference`` is the same function in
-    plain PyTorch, for every device, and the tests hold the two byte for byte."""
-    n = flat.numel()
-    payload = torch.empty(mask_bytes(n), dtype=torch.uint8, device=flat.device)
-    pack = _pack_slice_numpy if flat.device.type == "cpu" else _pack_slice_reference
-    for start, end in _chunks(n):
-        payload[start // 8: mask_bytes(end)] = pack(bit_of(flat[start:end]))
-    return payload
-
-
-def _pack_slice_reference(bits: torch.Tensor) -> torch.Tensor:
-    """bool [m] -> uint8 [ceil(m / 8)], little-endian within each byte, the last byte zero-padded."""
-    bits = bits.view(torch.uint8)
-    if bits.numel() % 8:
-        bits = torch.cat([bits, bits.new_zeros(8 - bits.numel() % 8)])
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
-
-
-def _pack_slice_numpy(bits: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.packbits(bits.contiguous().numpy(), bitorder="little"))
-
-
-def _unpack_bits(payload: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """bool [end - start]: bits ``start`` to ``end`` of ``payload`` (``start`` a multiple of 8); numpy's
-    ``unpackbits`` on CPU (30x faster), ``_unpack_slice_reference`` elsewhere."""
-    bytes_ = payload[start // 8: mask_bytes(end)]
-    if payload.device.type == "cpu":
-        return torch.from_numpy(np.unpackbits(bytes_.contiguous().numpy(), count=end - start,
-                                              bitorder="little")).view(torch.bool)
-    return _unpack_slice_reference(bytes_, end - start)
-
-
-def _unpack_slice_reference(bytes_: torch.Tensor, count: int) -> torch.Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8, device=bytes_.device)
-    return ((bytes_.view(-1, 1) >> shifts) & 1).view(-1)[:count].bool()
-
-
 def encode_mask(x: torch.Tensor, values: tuple[float, float]) -> MaskPacked:
-    """Store a two-valued ``x`` exactly; ``values`` is ``two_values(x)``. O(numel).
+    """Store a two-valued ``x`` exactly; ``values`` is ``two_values(x)``. O(numel), one pass
+    (``daf::mask_encode``: the bit says whether an element differs bitwise from the first).
 
     x: [*] of a dtype in ``MASK_DTYPES`` -> MaskPacked with payload uint8 [ceil(numel / 8)].
     """
@@ -161,13 +128,12 @@ def encode_mask(x: torch.Tensor, values: tuple[float, float]) -> MaskPacked:
         raise ValueError("encode_mask needs the two values of x (two_values(x)); got None: x has more than two")
     flat, order = flatten_memory_order(x.detach())
     low, high = values
-    codes = flat.view(_INT_VIEW[x.dtype])
-    first = codes[:1]  # holds ``low``: compare bit patterns, NaN and -0.0 included
-    return MaskPacked(_pack_bits(codes, lambda part: part != first), tuple(x.shape), order, x.dtype, 1, 0, low=low, high=high)
+    return MaskPacked(_ops().mask_encode(flat), tuple(x.shape), order, x.dtype, 1, 0, low=low, high=high)
 
 
 def encode_relu_mask(result: torch.Tensor) -> MaskPacked:
-    """ReLU's saved output as the bit ``not (result <= 0)``; decodes to 0/1 in ``result.dtype``. O(numel).
+    """ReLU's saved output as the bit ``not (result <= 0)``; decodes to 0/1 in ``result.dtype``. O(numel),
+    one pass (``daf::relu_mask_encode``).
 
     Only ``threshold_backward`` may read it: it zeroes the gradient where ``result <= 0`` and passes
     it elsewhere, so a NaN output (for which ``result > 0`` is false too) gets bit 1, as ``+inf`` does.
@@ -178,7 +144,7 @@ def encode_relu_mask(result: torch.Tensor) -> MaskPacked:
     if not result.dtype.is_floating_point:
         raise ValueError(f"encode_relu_mask takes ReLU's floating-point output, got {result.dtype}")
     flat, order = flatten_memory_order(result.detach())
-    payload = _pack_bits(flat, lambda part: (part <= 0).logical_not_())  # threshold_backward's own test
+    payload = _ops().relu_mask_encode(flat)  # threshold_backward's own test, negated
     return ReluMaskPacked(payload, tuple(result.shape), order, result.dtype, 1, 0, low=0.0, high=1.0)
 
 
@@ -186,10 +152,7 @@ def mask_bits(packed: MaskPacked) -> torch.Tensor:
     """The mask's bits in memory order: bool [numel]. O(numel).
 
     For a ReLU mask, where the output is > 0 or NaN (where its gradient passes)."""
-    bits = torch.empty(packed.numel, dtype=torch.bool, device=packed.payload.device)
-    for start, end in _chunks(packed.numel):
-        bits[start:end] = _unpack_bits(packed.payload, start, end)
-    return bits
+    return _ops().mask_unpack(packed.payload, packed.numel)
 
 
 def decode_relu_mask(packed: MaskPacked) -> torch.Tensor:
@@ -204,18 +167,8 @@ def decode_relu_mask(packed: MaskPacked) -> torch.Tensor:
 
 def decode_mask(packed: MaskPacked) -> torch.Tensor:
     """The tensor of ``packed``: ``high`` where the bit is set, ``low`` elsewhere; same shape and strides order."""
-    device = packed.payload.device
-    low = torch.tensor(packed.low, dtype=packed.dtype, device=device)
-    high = torch.tensor(packed.high, dtype=packed.dtype, device=device)
-    flat = torch.empty(packed.numel, dtype=packed.dtype, device=device)
-    # a ReLU mask (+0.0 and 1.0) is its bits converted: 4x faster than selecting between two scalars
-    zero_one = packed.high == 1 and packed.low == 0 and math.copysign(1.0, packed.low) > 0
-    for start, end in _chunks(packed.numel):
-        bits = _unpack_bits(packed.payload, start, end)
-        if zero_one:
-            flat[start:end].copy_(bits.view(torch.uint8))
-        else:
-            torch.where(bits, high, low, out=flat[start:end])
+    values = torch.tensor([packed.low, packed.high], dtype=packed.dtype, device=packed.payload.device)
+    flat = _ops().mask_select(packed.payload, packed.numel, values)
     return restore_memory_order(flat, packed.shape, packed.order)
 
 

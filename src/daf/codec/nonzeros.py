@@ -3,14 +3,15 @@
 A ReLU output saved by a later op (the next convolution) may be stored as codes of its
 nonzeros only: its zeros come exactly from the mask that ReLU's own save stored
 (``daf.codec.mask.encode_relu_mask``), which also gives their positions, the shape,
-strides order and dtype.
+strides order and dtype. Both directions are one op each (``daf::relu_nonzeros``,
+``daf::mask_scatter``): C++ kernels on CPU once built, plain PyTorch otherwise, same results.
 """
 
 from __future__ import annotations
 
 import torch
 
-from daf.codec.mask import MaskPacked, mask_bits
+from daf.codec.mask import MaskPacked, _ops
 from daf.format import flatten_memory_order, restore_memory_order
 
 __all__ = ["nonzeros_of", "scatter_nonzeros"]
@@ -19,23 +20,23 @@ __all__ = ["nonzeros_of", "scatter_nonzeros"]
 def nonzeros_of(x: torch.Tensor, min_count: int) -> torch.Tensor | None:
     """The elements of ``x`` that are > 0, in memory order (the mask's order), or None when ``x`` holds
     anything but zeros and positives (a NaN: neither > 0 nor 0, so not where the mask says) or fewer
-    than ``min_count`` positives. O(numel)."""
+    than ``min_count`` positives. x: floating [*] -> x.dtype [count]. O(numel): on the kernels one
+    counting pass (which refuses) and one compaction pass, no temporaries."""
     flat, _ = flatten_memory_order(x.detach())
-    nonzeros = flat[flat > 0]
-    if nonzeros.numel() < max(min_count, 1) or nonzeros.numel() + int((flat == 0).sum()) != flat.numel():
+    nonzeros, ok = _ops().relu_nonzeros(flat)
+    if not bool(ok) or nonzeros.numel() < max(min_count, 1):
         return None
     return nonzeros
 
 
 def scatter_nonzeros(nonzeros: torch.Tensor, mask: MaskPacked, site: str) -> torch.Tensor:
     """The ReLU output whose ``nonzeros`` are given: zeros where ``mask`` (its ReLU mask) says so.
+    O(numel), read straight from the mask's bits (no bool tensor, no separate count).
 
     Raises ``RuntimeError`` naming ``site`` when the counts disagree: never returns wrong data."""
-    positive = mask_bits(mask)
-    count = int(positive.sum())
-    if count != nonzeros.numel():
-        raise RuntimeError(f"DAF: the record of site {site} holds {nonzeros.numel()} nonzeros but its "
-                           f"ReLU mask has {count} set bits; refusing to return wrong data")
-    flat = torch.zeros(positive.numel(), dtype=mask.dtype, device=nonzeros.device)
-    flat[positive] = nonzeros.to(mask.dtype)
+    try:
+        flat = _ops().mask_scatter(nonzeros.to(mask.dtype).reshape(-1), mask.payload, mask.numel)
+    except ValueError as error:
+        raise RuntimeError(f"DAF: the record of site {site} holds {nonzeros.numel()} nonzeros but its ReLU mask "
+                           f"disagrees ({error}); refusing to return wrong data") from error
     return restore_memory_order(flat, mask.shape, mask.order)

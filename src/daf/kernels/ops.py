@@ -15,8 +15,9 @@ and the C++ kernels become its CPU implementation when the extension loads
 
 Every implementation returns the reference's bytes. Ops return tensors of sizes known from
 their arguments only, so the exceptional values' side table (whose length depends on the
-data) is not an output: ``ok`` (a bool scalar) is False when ``x`` holds NaN, ±Inf or
-``|x| > 2**126``, and ``encode_flat`` below then adds the table. This module is the one
+data) is not an output: ``ok`` (a bool scalar) is False when ``x`` holds NaN, ±Inf,
+``|x| > 2**126`` or a nonzero group below ``2**-100`` in magnitude (docs/format.md), and
+``encode_flat`` below then adds the table. This module is the one
 dispatcher between kernels and reference: the CPU implementation hands to the reference
 what the kernels do not take (float64, group sizes that are not powers of two >= 8) and
 tensors with exceptional values; no caller needs its own fallback.
@@ -201,7 +202,7 @@ def encode_flat(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, s
                                                STRATEGIES[strategy], serial)
     if ok.item():
         return payload, None, None
-    return (payload, *reference.exception_table(x))
+    return (payload, *reference.exception_table(x, group_size))
 
 
 def decode_flat(payload: torch.Tensor, numel: int, bits: int, group_size: int, dtype: torch.dtype,

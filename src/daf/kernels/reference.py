@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from daf.format import EXCEPTION_LIMIT, MIN_STEP, META_BYTES, num_groups, row_bytes
+from daf.format import EXCEPTION_LIMIT, MIN_STEP, META_BYTES, TINY_LIMIT, num_groups, row_bytes
 
 __all__ = ["encode_flat", "decode_flat", "exception_table", "uniform_noise", "mix32"]
 
@@ -109,16 +109,50 @@ def encode_flat(
     return payload, index, x[index].clone()
 
 
-def exception_table(x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def exception_table(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The side table ``encode_flat`` returns with a payload: (index int64 [n], value x.dtype [n]), or (None, None).
 
-    Exceptional means NaN, ±Inf or ``|x| > EXCEPTION_LIMIT`` after the cast to float32, as in the
-    encoding. O(numel). For the op layer, whose ops return payloads of fixed size only.
+    Exceptional means NaN, ±Inf or ``|x| > EXCEPTION_LIMIT`` after the cast to float32, or a nonzero
+    element of a *tiny* group (docs/format.md), as in the encoding. O(numel), temporaries of
+    O(min(numel, CHUNK_ELEMENTS)). For the op layer, whose ops return payloads of fixed size only.
     """
-    index = torch.nonzero(~(x.reshape(-1).to(torch.float32).abs() <= EXCEPTION_LIMIT)).view(-1)
-    if index.numel() == 0:
+    flat = x.reshape(-1)
+    found = []
+    step = max(1, CHUNK_ELEMENTS // group_size) * group_size
+    for start in range(0, flat.numel(), step):
+        part = flat[start:start + step]
+        exceptional, _, _ = _exceptions(_padded_groups(part, group_size))
+        if exceptional is not None:
+            found.append(torch.nonzero(exceptional.view(-1)[:part.numel()]).view(-1) + start)
+    if not found:
         return None, None
-    return index, x.reshape(-1)[index].clone()
+    index = torch.cat(found)
+    return index, flat[index].clone()
+
+
+def _exceptions(values: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(exceptional bool [groups, G] or None, low, high float32 [groups]) of float32 groups [groups, G].
+
+    Exceptional: NaN, ±Inf, ``|x| > EXCEPTION_LIMIT``, and the nonzero elements of a group whose
+    regular elements are all below ``TINY_LIMIT`` in magnitude (float32 cannot quantize those:
+    docs/format.md). ``low``/``high``: min and max of the other elements, 0 for a group with none.
+    """
+    low, high = values.amin(dim=1), values.amax(dim=1)
+    regular = (low.abs() <= EXCEPTION_LIMIT) & (high.abs() <= EXCEPTION_LIMIT)
+    if bool(regular.all()) and not bool(_tiny(low, high).any()):
+        return None, low, high
+    exceptional = ~(values.abs() <= EXCEPTION_LIMIT)
+    low = torch.where(exceptional, torch.inf, values).amin(dim=1)
+    high = torch.where(exceptional, -torch.inf, values).amax(dim=1)
+    tiny = _tiny(low, high)  # from the regular elements only: NaN or Inf beside denormals leaves them tiny
+    exceptional |= tiny[:, None] & (values != 0)
+    empty = torch.isinf(low) | tiny  # what a tiny group keeps is its zeros: lo = 0
+    return exceptional, torch.where(empty, 0.0, low), torch.where(empty, 0.0, high)
+
+
+def _tiny(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Groups whose range [low, high] is nonzero but within (-TINY_LIMIT, TINY_LIMIT): bool [groups]."""
+    return (low.abs() < TINY_LIMIT) & (high.abs() < TINY_LIMIT) & ((low != 0) | (high != 0))
 
 
 def _encode_rows(x: torch.Tensor, rows: torch.Tensor, bits: int, group_size: int, stochastic: bool,
@@ -129,14 +163,7 @@ def _encode_rows(x: torch.Tensor, rows: torch.Tensor, bits: int, group_size: int
     """
     numel = x.numel()
     values = _padded_groups(x, group_size)
-    low, high = values.amin(dim=1), values.amax(dim=1)
-    exceptional = None
-    if not bool(((low.abs() <= EXCEPTION_LIMIT) & (high.abs() <= EXCEPTION_LIMIT)).all()):
-        exceptional = ~(values.abs() <= EXCEPTION_LIMIT)
-        low = torch.where(exceptional, torch.inf, values).amin(dim=1)
-        high = torch.where(exceptional, -torch.inf, values).amax(dim=1)
-        empty = torch.isinf(low)
-        low, high = torch.where(empty, 0.0, low), torch.where(empty, 0.0, high)
+    exceptional, low, high = _exceptions(values)
     levels = (1 << bits) - 1
     # + 0.0 turns a -0.0 minimum into +0.0: which zero amin returns depends on its reduction
     # order, and the bytes must not (format.md step 2).

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels.h"
+#include "masks.h"
 
 namespace daf {
 namespace {
@@ -92,6 +93,88 @@ void decode_into(int64_t payload, int64_t numel, int64_t bits, int64_t group_siz
   throw std::invalid_argument("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
 }
 
+// ---- masks (masks.h): element dtypes by their bit patterns ----
+
+enum MaskDType : int64_t { kMaskFloat32 = 0, kMaskFloat16 = 1, kMaskBFloat16 = 2, kMaskFloat64 = 3 };
+
+// Calls f(U{}, inf) with the unsigned type of the dtype's width and the bits of its +inf.
+template <typename F>
+auto with_float_bits(int64_t dtype, const F& f) {
+  switch (dtype) {
+    case kMaskFloat32: return f(uint32_t{0}, uint32_t{0x7F800000u});
+    case kMaskFloat16: return f(uint16_t{0}, uint16_t{0x7C00u});
+    case kMaskBFloat16: return f(uint16_t{0}, uint16_t{0x7F80u});
+    case kMaskFloat64: return f(uint64_t{0}, uint64_t{0x7FF0000000000000ull});
+  }
+  throw std::invalid_argument("mask dtype code must be 0 (float32), 1 (float16), 2 (bfloat16) or 3 (float64)");
+}
+
+// Calls f(U{}) with the unsigned type of `width` bytes.
+template <typename F>
+auto with_width(int64_t width, const F& f) {
+  switch (width) {
+    case 1: return f(uint8_t{0});
+    case 2: return f(uint16_t{0});
+    case 4: return f(uint32_t{0});
+    case 8: return f(uint64_t{0});
+  }
+  throw std::invalid_argument("element width must be 1, 2, 4 or 8 bytes, got " + std::to_string(width));
+}
+
+template <typename T>
+T* at_address(int64_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// x: n elements of a float dtype; out: ceil(n / 8) bytes. Bit: not (x <= 0).
+void relu_mask_encode(int64_t x, int64_t n, int64_t dtype, int64_t out) {
+  with_float_bits(dtype, [&](auto zero, auto inf) {
+    using U = decltype(zero);
+    masks::pack(at_address<const U>(x), n, masks::ReluBit<U>{inf}, at_address<uint8_t>(out));
+  });
+}
+
+// x: n >= 1 elements of `width` bytes; bit: the element's bits differ from the first element's.
+void mask_encode(int64_t x, int64_t n, int64_t width, int64_t out) {
+  with_width(width, [&](auto zero) {
+    using U = decltype(zero);
+    const U* typed = at_address<const U>(x);
+    masks::pack(typed, n, masks::DiffersBit<U>{typed[0]}, at_address<uint8_t>(out));
+  });
+}
+
+// out[j] = values[bit j], values: 2 elements of `width` bytes (low, high), copied bitwise.
+void mask_select(int64_t bits, int64_t n, int64_t width, int64_t values, int64_t out) {
+  with_width(width, [&](auto zero) {
+    using U = decltype(zero);
+    const U* two = at_address<const U>(values);
+    masks::select(at_address<const uint8_t>(bits), n, two[0], two[1], at_address<U>(out));
+  });
+}
+
+// counts: units(n) int64 slots. Returns how many elements are > 0, or -1 if one is negative or NaN.
+int64_t nonzeros_count(int64_t x, int64_t n, int64_t dtype, int64_t counts) {
+  return with_float_bits(dtype, [&](auto zero, auto inf) {
+    using U = decltype(zero);
+    return masks::count_positive(at_address<const U>(x), n, inf, at_address<int64_t>(counts));
+  });
+}
+
+void nonzeros_compact(int64_t x, int64_t n, int64_t dtype, int64_t counts, int64_t out) {
+  with_float_bits(dtype, [&](auto zero, auto inf) {
+    using U = decltype(zero);
+    masks::compact_positive(at_address<const U>(x), n, inf, at_address<const int64_t>(counts), at_address<U>(out));
+  });
+}
+
+// Returns the mask's count of set bits; out is written only when it equals count.
+int64_t mask_scatter(int64_t values, int64_t count, int64_t bits, int64_t n, int64_t width, int64_t out) {
+  return with_width(width, [&](auto zero) {
+    using U = decltype(zero);
+    return masks::scatter(at_address<const U>(values), count, at_address<const uint8_t>(bits), n, at_address<U>(out));
+  });
+}
+
 std::string build_info() {
 #if defined(CPU_CAPABILITY_AVX512)
   const char* isa = "avx512";
@@ -113,5 +196,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_into", &daf::decode_into, "unpack and dequantize format-1 rows into a buffer",
         py::call_guard<py::gil_scoped_release>());
+  m.def("relu_mask_encode", &daf::relu_mask_encode, "ReLU mask bits not (x <= 0)", py::call_guard<py::gil_scoped_release>());
+  m.def("mask_encode", &daf::mask_encode, "two-valued mask bits", py::call_guard<py::gil_scoped_release>());
+  m.def("mask_select", &daf::mask_select, "mask bits to one of two values", py::call_guard<py::gil_scoped_release>());
+  m.def("nonzeros_count", &daf::nonzeros_count, "positives per unit; -1 if negatives or NaN",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("nonzeros_compact", &daf::nonzeros_compact, "the positives in memory order",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("mask_scatter", &daf::mask_scatter, "values where the bit is set, zero elsewhere; returns the set bits",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("mask_unit", []() { return daf::masks::kUnit; });
   m.def("build_info", &daf::build_info);
 }

@@ -22,6 +22,7 @@ using Vec = at::vec::Vectorized<float>;
 
 constexpr float kExceptionLimit = 0x1p126f;  // |x| above this (and NaN) is exceptional
 constexpr float kMinStep = 0x1p-126f;
+constexpr float kTinyLimit = 0x1p-100f;  // a nonzero group below this in magnitude is exceptional
 constexpr uint32_t kGolden = 0x9E3779B9u;
 constexpr int64_t kChunk = 64;  // elements quantized and packed together; a multiple of 8 / bits
 
@@ -90,9 +91,14 @@ inline Range merge(Range a, Range b) {
   return {std::min(a.mn, b.mn), std::max(a.mx, b.mx)};
 }
 
-// A group is regular when its range holds no NaN, Inf or magnitude above 2^126.
+// A group is regular when its range holds no NaN, Inf or magnitude above 2^126, and is not
+// tiny: a group whose largest magnitude is below 2^-100 but not zero (float32 denormals) would
+// lose its scale to the step floor, so the reference stores its nonzeros exactly. All-zero
+// groups (ReLU outputs) stay regular.
 inline bool is_regular(Range r) {
-  return std::fabs(r.mn) <= kExceptionLimit && std::fabs(r.mx) <= kExceptionLimit;
+  const float a = std::fabs(r.mn), b = std::fabs(r.mx);
+  if (!(a <= kExceptionLimit && b <= kExceptionLimit)) return false;
+  return !(a < kTinyLimit && b < kTinyLimit && (r.mn != 0.0f || r.mx != 0.0f));
 }
 
 // lo, step and 1/step of a group (format steps 2-4). lo is taken from mn + 0 so that a

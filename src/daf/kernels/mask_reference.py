@@ -1,0 +1,155 @@
+"""Exact 1-bit masks and a ReLU output's nonzeros, in plain PyTorch: the default implementation of the
+``daf::mask_*``/``daf::relu_*`` ops (``daf.kernels.mask_ops``), which the C++ kernels (``csrc/masks.h``)
+reproduce byte for byte.
+
+A mask of ``n`` elements is ``ceil(n / 8)`` bytes: bit ``j % 8`` of byte ``j // 8`` belongs to element
+``j`` (little-endian in each byte), the last byte zero-padded. Every function takes flat contiguous
+tensors in memory order (the codec's business, ``daf.codec.mask``) and works slice by slice: its
+temporaries are 1-2 bytes per element of a slice, never of the tensor.
+
+On CPU the bits are packed by numpy's ``packbits``/``unpackbits`` (6x and 30x faster than the torch
+shifts: a fallback that stays usable when the C++ kernels do not build); ``pack_slice_torch`` and
+``unpack_slice_torch`` are the same functions in plain PyTorch, for every device, and the tests hold
+all three byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+__all__ = ["relu_mask_encode", "mask_encode", "mask_unpack", "mask_select", "relu_nonzeros", "mask_scatter",
+           "mask_bytes", "INT_VIEW"]
+
+# The integer type of each mask dtype's width: masks compare and copy bit patterns (NaN, -0.0).
+INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+# Elements per slice (a multiple of 8): a whole-tensor bool and its shifted copy would add up to
+# 75% of a float32 activation.
+CHUNK = 1 << 20
+
+
+def mask_bytes(numel: int) -> int:
+    """Payload bytes of a mask of ``numel`` elements. O(1).
+
+    >>> mask_bytes(17)
+    3
+    """
+    return -(-numel // 8)
+
+
+def chunks(numel: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of consecutive slices of ``numel`` elements, ``CHUNK`` long (the last shorter)."""
+    start, size = 0, CHUNK
+    while start < numel:
+        yield start, min(start + size, numel)
+        start, size = start + size, CHUNK
+
+
+def relu_mask_encode(x: torch.Tensor) -> torch.Tensor:
+    """x: floating [n] -> uint8 [ceil(n / 8)], bit ``not (x <= 0)`` (``threshold_backward``'s test
+    negated: NaN gets 1). O(n)."""
+    return _pack_bits(x, lambda part: (part <= 0).logical_not_())
+
+
+def mask_encode(x: torch.Tensor) -> torch.Tensor:
+    """x: [n] of a dtype in ``INT_VIEW`` -> uint8 [ceil(n / 8)], bit set where the element differs
+    bitwise from ``x[0]`` (NaN and -0.0 compared by their bits). O(n)."""
+    codes = x.view(INT_VIEW[x.dtype])
+    first = codes[:1]
+    return _pack_bits(codes, lambda part: part != first)
+
+
+def mask_unpack(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """uint8 [ceil(numel / 8)] -> bool [numel]. O(numel)."""
+    out = torch.empty(numel, dtype=torch.bool, device=bits.device)
+    for start, end in chunks(numel):
+        out[start:end] = _unpack_bits(bits, start, end)
+    return out
+
+
+def mask_select(bits: torch.Tensor, numel: int, values: torch.Tensor) -> torch.Tensor:
+    """``values[bit]`` per element: values [2] (low, high) of a dtype in ``INT_VIEW``, copied bitwise
+    -> values.dtype [numel]. O(numel)."""
+    out = torch.empty(numel, dtype=values.dtype, device=bits.device)
+    low, high = values.view(INT_VIEW[values.dtype]).to(bits.device)
+    codes = out.view(INT_VIEW[values.dtype])
+    # +0.0 and 1.0 (a ReLU mask's values) are the bits converted: 4x faster than selecting
+    zero_one = values.dtype.is_floating_point and values[0].item() == 0 and values[1].item() == 1 \
+        and not bool(torch.signbit(values[0]))
+    for start, end in chunks(numel):
+        part = _unpack_bits(bits, start, end)
+        if zero_one:
+            out[start:end].copy_(part.view(torch.uint8))
+        else:
+            torch.where(part, high, low, out=codes[start:end])
+    return out
+
+
+def relu_nonzeros(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the elements > 0 of x in order, ok): x floating [n] -> (x.dtype [count], bool []). ``ok`` is
+    False, and the values empty, when an element is neither > 0 nor a zero (negative, NaN). O(n)."""
+    positive = x > 0
+    values = x[positive]
+    ok = values.numel() + int((x == 0).sum()) == x.numel()
+    return (values if ok else x.new_empty(0)), torch.tensor(ok, device=x.device)
+
+
+def mask_scatter(values: torch.Tensor, bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """``values`` where the bit is set, in order, +0 elsewhere: values [count] -> values.dtype [numel].
+
+    ValueError when the mask does not have exactly ``count`` set bits (never wrong data). O(numel)."""
+    positive = mask_unpack(bits, numel)
+    check_count(int(positive.sum()), values.numel())
+    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    out[positive] = values
+    return out
+
+
+def check_count(set_bits: int, count: int) -> None:
+    if set_bits != count:
+        raise ValueError(f"the mask has {set_bits} set bits for {count} values")
+
+
+# ---- bit packing, slice by slice --------------------------------------------------------------
+
+def _pack_bits(flat: torch.Tensor, bit_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """[n] -> uint8 [ceil(n / 8)]: bit ``j % 8`` of byte ``j // 8`` is ``bit_of(flat)[j]``."""
+    n = flat.numel()
+    payload = torch.empty(mask_bytes(n), dtype=torch.uint8, device=flat.device)
+    pack = pack_slice_numpy if flat.device.type == "cpu" else pack_slice_torch
+    for start, end in chunks(n):
+        payload[start // 8: mask_bytes(end)] = pack(bit_of(flat[start:end]))
+    return payload
+
+
+def pack_slice_torch(bits: torch.Tensor) -> torch.Tensor:
+    """bool [m] -> uint8 [ceil(m / 8)], little-endian within each byte, the last byte zero-padded."""
+    bits = bits.view(torch.uint8)
+    if bits.numel() % 8:
+        bits = torch.cat([bits, bits.new_zeros(8 - bits.numel() % 8)])
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def pack_slice_numpy(bits: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.packbits(bits.contiguous().numpy(), bitorder="little"))
+
+
+def _unpack_bits(payload: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """bool [end - start]: bits ``start`` to ``end`` of ``payload`` (``start`` a multiple of 8)."""
+    bytes_ = payload[start // 8: mask_bytes(end)]
+    if payload.device.type == "cpu":
+        return unpack_slice_numpy(bytes_, end - start)
+    return unpack_slice_torch(bytes_, end - start)
+
+
+def unpack_slice_numpy(bytes_: torch.Tensor, count: int) -> torch.Tensor:
+    return torch.from_numpy(np.unpackbits(bytes_.contiguous().numpy(), count=count, bitorder="little")).view(torch.bool)
+
+
+def unpack_slice_torch(bytes_: torch.Tensor, count: int) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=bytes_.device)
+    return ((bytes_.view(-1, 1) >> shifts) & 1).view(-1)[:count].bool()

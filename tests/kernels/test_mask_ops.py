@@ -1,0 +1,194 @@
+"""The mask ops (``daf.kernels.mask_ops``): C++ kernels against the plain-PyTorch reference, byte for byte."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daf.codec import mask
+from daf.codec.nonzeros import nonzeros_of, scatter_nonzeros
+from daf.kernels import mask_ops, mask_reference
+
+DEFAULT = torch._C.DispatchKey.CompositeExplicitAutograd
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+SPECIAL = [0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 1.0, -1.0]
+# Across the kernels' work units (8192 elements), threads, and the reference's 1M-element slices.
+LARGE = [8192 * 3 + 5, (1 << 20) + 13]
+
+
+def default(name, *args):
+    """The reference implementation, called through the dispatcher under its own key."""
+    return getattr(torch.ops.daf, name).default._op_dk(DEFAULT, *args)
+
+
+def native(name, *args):
+    return getattr(torch.ops.daf, name)(*args)
+
+
+def floats(n, dtype, seed, special=0.2):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    pick = torch.rand(n, generator=g) < special
+    x[pick] = torch.tensor(SPECIAL)[torch.randint(len(SPECIAL), (int(pick.sum()),), generator=g)]
+    return x.to(dtype)
+
+
+def torch_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The plain-PyTorch packing (no numpy): the statement both implementations must match."""
+    return mask_reference.pack_slice_torch(bits) if bits.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def test_mask_ops_have_a_default_and_a_cpu_kernel(extension):
+    assert mask_ops.native_registered()
+    for name in mask_ops.MASK_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"daf::{name}", "CompositeExplicitAutograd")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"daf::{name}", "CPU")
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 3000), dtype=st.sampled_from(FLOATS), seed=st.integers(0, 2**16),
+       special=st.floats(0, 1))
+def test_relu_mask_encode_is_the_reference(extension, n, dtype, seed, special):
+    x = floats(n, dtype, seed, special)
+    expected = torch_bits((x <= 0).logical_not())
+    assert torch.equal(native("relu_mask_encode", x), expected)
+    assert torch.equal(default("relu_mask_encode", x), expected)
+    assert torch.equal(native("mask_unpack", expected, n), (x <= 0).logical_not())
+    assert torch.equal(default("mask_unpack", expected, n), (x <= 0).logical_not())
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 3000), dtype=st.sampled_from([*FLOATS, torch.bool]), seed=st.integers(0, 2**16),
+       two=st.booleans())
+def test_mask_encode_and_select_are_the_reference_bitwise(extension, n, dtype, seed, two):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        x = torch.rand(n, generator=g) < 0.5
+    elif two:  # two values by their bits: -0.0 and NaN included
+        pair = torch.tensor(SPECIAL)[torch.randperm(len(SPECIAL), generator=g)[:2]].to(dtype)
+        x = pair[(torch.rand(n, generator=g) < 0.5).long()]
+    else:
+        x = floats(n, dtype, seed)
+    codes = x.view(mask_reference.INT_VIEW[dtype])
+    expected = torch_bits(codes != codes[0])
+    assert torch.equal(native("mask_encode", x), expected)
+    assert torch.equal(default("mask_encode", x), expected)
+    values = x[[0, int((codes != codes[0]).long().argmax())]].clone()
+    ints = mask_reference.INT_VIEW[dtype]
+    for select in (native, default):
+        got = select("mask_select", expected, n, values)
+        assert got.dtype == dtype and torch.equal(got.view(ints), values.view(ints)[(codes != codes[0]).long()])
+
+
+@pytest.mark.parametrize("n", LARGE)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_large_tensors_across_units_threads_and_slices(extension, n, dtype):
+    x = floats(n, dtype, n)
+    bits = native("relu_mask_encode", x)
+    assert torch.equal(bits, default("relu_mask_encode", x))
+    assert torch.equal(native("mask_unpack", bits, n), default("mask_unpack", bits, n))
+    values = torch.tensor([2.5, -0.0], dtype=dtype)
+    assert torch.equal(native("mask_select", bits, n, values).view(torch.uint8),
+                       default("mask_select", bits, n, values).view(torch.uint8))
+    relu = x.nan_to_num(0.0).relu()
+    got, expected = native("relu_nonzeros", relu), default("relu_nonzeros", relu)
+    assert bool(got[1]) and bool(expected[1]) and torch.equal(got[0], expected[0])
+    relu_bits = native("relu_mask_encode", relu)
+    assert torch.equal(native("mask_scatter", got[0], relu_bits, n), default("mask_scatter", got[0], relu_bits, n))
+    assert torch.equal(native("mask_scatter", got[0], relu_bits, n), relu)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 3000), dtype=st.sampled_from(FLOATS), seed=st.integers(0, 2**16),
+       zeros=st.floats(0, 1), refuse=st.sampled_from([None, -1.0, float("nan"), -float("nan"), -float("inf")]))
+def test_nonzeros_and_scatter_are_the_reference(extension, n, dtype, seed, zeros, refuse):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, generator=g) * 4
+    x[torch.rand(n, generator=g) < zeros] = 0.0
+    x[torch.rand(n, generator=g) < 0.1] = -0.0
+    x[torch.rand(n, generator=g) < 0.01] = float("inf")
+    x = x.to(dtype)
+    if refuse is not None and n:
+        x[int(torch.randint(n, (1,), generator=g))] = refuse
+    (values, ok), (expected, expected_ok) = native("relu_nonzeros", x), default("relu_nonzeros", x)
+    assert bool(ok) == bool(expected_ok) == (refuse is None or n == 0)
+    assert values.dtype == dtype and torch.equal(values, expected)
+    if not ok:
+        assert values.numel() == 0
+        return
+    assert torch.equal(values, x[x > 0])
+    bits = native("relu_mask_encode", x)
+    for scatter in (native, default):
+        out = scatter("mask_scatter", values, bits, n)
+        assert torch.equal(out, torch.where(x > 0, x, torch.zeros_like(x)))
+        assert not bool(torch.signbit(out).any())  # zeros come back as +0
+
+
+@pytest.mark.parametrize("scatter", [native, default])
+def test_scatter_refuses_a_mask_that_disagrees(extension, scatter):
+    x = torch.rand(1001).relu()
+    x[::3] = 0
+    bits = native("relu_mask_encode", x)
+    values = x[x > 0]
+    with pytest.raises(ValueError, match="set bits for"):
+        scatter("mask_scatter", values[1:], bits, 1001)
+    flipped = bits.clone()
+    flipped[0] ^= 1
+    with pytest.raises(ValueError, match="set bits for"):
+        scatter("mask_scatter", values, flipped, 1001)
+    padded = bits.clone()
+    padded[-1] |= 0x80  # element 1007, past the end: padding bits count for nothing
+    assert torch.equal(scatter("mask_scatter", values, padded, 1001), x)
+    assert torch.equal(scatter("mask_unpack", padded, 1001), x > 0)
+
+
+def test_bad_arguments_are_refused_everywhere(extension):
+    for op in (native, default):
+        with pytest.raises(ValueError, match="floating point"):
+            op("relu_mask_encode", torch.ones(4, dtype=torch.int32))
+        with pytest.raises(ValueError, match="flat"):
+            op("relu_mask_encode", torch.ones(2, 2))
+        with pytest.raises(ValueError, match="bits must be uint8"):
+            op("mask_unpack", torch.zeros(1, dtype=torch.uint8), 9)
+        with pytest.raises(ValueError, match="values must be"):
+            op("mask_select", torch.zeros(1, dtype=torch.uint8), 8, torch.zeros(3))
+
+
+def test_codec_masks_keep_shape_and_strides_on_the_kernels(extension):
+    x = torch.randn(2, 3, 5, 7).relu().to(memory_format=torch.channels_last)
+    x[0, 0, 0, :2] = torch.tensor([-0.0, float("nan")])
+    packed = mask.encode_relu_mask(x)
+    flat = x.permute(0, 2, 3, 1).reshape(-1)
+    assert torch.equal(packed.payload, torch_bits((flat <= 0).logical_not()))
+    decoded = mask.decode_relu_mask(packed)
+    assert decoded.dtype == torch.bool and decoded.stride() == x.stride()
+    assert torch.equal(decoded, (x <= 0).logical_not())
+    clean = x.nan_to_num(0.0)
+    nonzeros = nonzeros_of(clean, 1)
+    rebuilt = scatter_nonzeros(nonzeros, mask.encode_relu_mask(clean), "site")
+    assert rebuilt.stride() == x.stride() and torch.equal(rebuilt, clean)
+    assert nonzeros_of(x, 1) is None  # the NaN: not where a mask can say
+    with pytest.raises(RuntimeError, match="site s1 .* refusing to return wrong data"):
+        scatter_nonzeros(nonzeros[1:], mask.encode_relu_mask(clean), "s1")
+
+
+def test_fake_shapes(extension):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(1001)
+        assert torch.ops.daf.relu_mask_encode(x).shape == (126,)
+        assert torch.ops.daf.mask_unpack(torch.empty(126, dtype=torch.uint8), 1001).dtype == torch.bool
+        assert torch.ops.daf.mask_select(torch.empty(126, dtype=torch.uint8), 1001, torch.empty(2,
+                                         dtype=torch.float16)).dtype == torch.float16
+
+
+@pytest.mark.parametrize("name, args", [
+    ("relu_mask_encode", lambda: (floats(1001, torch.float32, 0),)),
+    ("mask_encode", lambda: ((torch.rand(1001) < 0.5).float(),)),
+    ("mask_unpack", lambda: (torch.randint(0, 256, (126,), dtype=torch.uint8), 1001)),
+    ("mask_select", lambda: (torch.randint(0, 256, (126,), dtype=torch.uint8), 1001, torch.tensor([0.5, -2.0]))),
+    ("mask_scatter", lambda: (torch.ones(500), torch.tensor([0x55] * 125, dtype=torch.uint8), 1000)),
+])
+def test_opcheck(extension, name, args):
+    torch.library.opcheck(getattr(torch.ops.daf, name).default, args())
