@@ -521,9 +521,9 @@ def test_a_saturated_sigmoid_under_a_huge_gate():
     assert _cosine(plain.grads["<input>"], wrapped.grads["<input>"]) > COSINE
 
 
-@pytest.mark.xfail(strict=True, reason="Adaptive(average=8.0) plans 1 bit for every site but one and keeps that one "
-                   "raw (mean 7.2 bits <= 8), estimating the plan's variance at 0: the gradient after the plan is "
-                   "far off (cosine 0.96 and 0.62 on these, 1.0 on the first forward)")
+# Issue 13, fixed: the estimator costed only parameter gradients, so these sites (whose error reaches only the
+# input's gradient) cost 0 at every width; the plan put them at 1 bit and kept the linear's input raw (mean 7.2
+# bits), cosine 0.96 and 0.62. The input's own gradient now counts (daf.policy.importance, input leaves).
 @pytest.mark.parametrize("blocks", [
     (("act", "tanh"),) * 4 + (("linear", False),),  # four tanh and a linear: input gradient cosine 0.96
     (("square",), ("square",), ("gate",), ("linear", False)),  # found by the property: cosine 0.62

@@ -126,6 +126,7 @@ class ImportanceEstimator:
         self._param_grad: dict[int, torch.Tensor] = {}  # id(param) -> its last gradient, for small ones
         self._param_handles: dict[int, Any] = {}
         self._uses: list[tuple[str, str, dict[str, Any]]] = []  # (site, kind, measured figures) this step
+        self._visited: set[Any] = set()  # autograd nodes walked this step looking for input leaves
 
     # -- forward -----------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -133,6 +134,7 @@ class ImportanceEstimator:
         self.fold()
         self._calls = 0
         self._input_var.clear()
+        self._visited.clear()
 
     def observe_tensor(self, site: str, x: torch.Tensor, elements: int | None = None) -> None:
         """Measure ``V(b)`` and ``Var(x)`` of a tensor stored at ``site``. O(sample).
@@ -160,6 +162,7 @@ class ImportanceEstimator:
         """Register the hooks that measure, in backward, how the op's use of its saved tensors matters."""
         order, self._calls = self._calls, self._calls + 1
         output = _first_tensor(call.output)
+        self._hook_input_leaves(call, order)
         for site, x in call.saves:
             use: dict[str, Any] = {"order": order}
             matmul = _matmul_role(call, x)
@@ -206,6 +209,9 @@ class ImportanceEstimator:
         # ||d||**2 * fan * E[input**2] of weight-gradient error; in units of the gradient there.
         powers = sorted((use["order"], use["dy"] * use["fan"] * use["mean_square"])
                         for _, kind, use in self._uses if kind in ("matmul", "power") and use["direct"] and "dy" in use)
+        # an input that requires grad (not a parameter) is a gradient the caller wants: its own norm
+        powers = sorted(powers + [(use["order"], use["leaf"]) for _, kind, use in self._uses
+                                  if kind == "leaf" and "leaf" in use])
         orders = [o for o, _ in powers]
         prefix = [0.0]
         for _, power in powers:
@@ -213,7 +219,7 @@ class ImportanceEstimator:
         step: dict[str, float] = {}
         for site, kind, use in self._uses:
             up = prefix[bisect.bisect_left(orders, use["order"])]
-            if kind == "power":
+            if kind in ("power", "leaf"):
                 continue
             if kind == "matmul":
                 if "dy" not in use:
@@ -266,6 +272,36 @@ class ImportanceEstimator:
         self._param_handles.clear()
 
     # -- helpers -----------------------------------------------------------------------------
+    def _hook_input_leaves(self, call: OpCall, order: int) -> None:
+        """Hook the gradient norm of every leaf that requires grad and is no parameter (an input the
+        caller differentiates) upstream of the call's arguments, the first time this step a walk meets
+        it. Without it a site whose error reaches only such an input was costed 0 at every width, and
+        the plan dropped it to 1 bit for free (issue 13). O(new autograd nodes): each node once a step."""
+        stack = [t.grad_fn for t in _tensors(call.args, call.kwargs) if t.grad_fn is not None]
+        for t in _tensors(call.args, call.kwargs):
+            if t.grad_fn is None and t.requires_grad and not isinstance(t, torch.nn.Parameter) \
+                    and id(t) not in self._visited:
+                self._visited.add(id(t))
+                self._hook_leaf(t, order)
+        while stack:
+            node = stack.pop()
+            if node in self._visited:
+                continue
+            self._visited.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                if not isinstance(variable, torch.nn.Parameter) and id(variable) not in self._visited:
+                    self._visited.add(id(variable))
+                    self._hook_leaf(variable, order)
+                continue
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+
+    def _hook_leaf(self, leaf: torch.Tensor, order: int) -> None:
+        # it is upstream of this call: counted for the errors injected here and after (order - 0.5)
+        use: dict[str, Any] = {"order": order - 0.5}
+        _hook_norm(leaf, use, "leaf")
+        self._uses.append(("", "leaf", use))
+
     def _hook_param(self, p: torch.Tensor) -> None:
         key = id(p)
         if key in self._param_handles:
