@@ -1,0 +1,179 @@
+"""Outlier channels exact, the rest in format-1 codes: the residual stream of a trained transformer.
+
+A trained LM's hidden states have a few channels (dimensions) hundreds of times larger than the
+others; a group of 256 consecutive elements of a token then spans an outlier's range, and 2-bit
+codes round every other element of the group to its minimum. For a save ``x`` [..., C] (2-D or 3-D,
+``C >= 16``) seen as ``m`` [R, C] (R = rows = tokens)::
+
+    outliers = the k = ceil(fraction * C) channels of largest max |m|      int64 [k], ascending
+    exact    = m[:, outliers]                                              x.dtype [R, k]
+    inliers  = m[:, the other channels]                                    [R, C - k]
+    axis "token":   format-1 codes of inliers        (a group runs along the channels of a token)
+    axis "channel": format-1 codes of inliers.T      (a group runs along the tokens of a channel)
+
+The codes are an ordinary format-1 ``Packed`` of the inlier matrix (reference or native kernels,
+whatever the session's backend is), so the page pool stores and spills it like any record;
+``exact`` and ``outliers`` ride in the record's header (side bytes). Cost per element:
+``bits + 32 / G`` for the inliers plus ``k * dtype_bits / C``; with 1% of 576 channels in float32,
+0.33 bit. Other saves (1-D, 4-D attention maps and feature maps, small ones) use MinMax unchanged.
+The packed form is format 1's ``Packed`` plus these fields: docs/format.md, "Outlier channels".
+
+>>> import daf
+>>> codec = ChannelCodec(MinMaxCodec(daf.Config(backend="reference")), daf.config.Outliers(fraction=0.05))
+>>> x = torch.randn(64, 40); x[:, 7] *= 100
+>>> p = codec.encode(x, Spec(2, seed=0))
+>>> 7 in p.outlier_index.tolist(), torch.equal(codec.decode(p)[:, 7], x[:, 7])
+(True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from daf.codec.derivative import DerivativeCodec, DerivativePacked
+from daf.codec.minmax import MinMaxCodec, encode
+from daf.codec.spec import Spec
+from daf.config import Outliers
+from daf.format import Packed
+
+__all__ = ["ChannelCodec", "ChannelPacked", "outlier_channels", "split_channels", "join_channels", "MIN_CHANNELS"]
+
+MIN_CHANNELS = 16
+# Groups along tokens shorter than this cost more metadata than they save in range (32/16 = 2 bits each).
+_MIN_TOKEN_GROUP = 16
+
+
+@dataclass
+class ChannelPacked(Packed):
+    """Format-1 record of the inlier matrix (``shape`` [R, C - k], or [C - k, R] for axis "channel")
+    plus what restores ``x``: ``full_shape``, ``axis``, ``outlier_index`` int64 [k] and
+    ``outlier_values`` x.dtype [R, k]."""
+
+    full_shape: tuple[int, ...] = ()
+    axis: str = "token"
+    outlier_index: torch.Tensor | None = None
+    outlier_values: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        side = 0 if self.outlier_index is None else self.outlier_index.nbytes + self.outlier_values.nbytes
+        return super().nbytes + side
+
+    @classmethod
+    def of(cls, inliers: Packed, full_shape: tuple[int, ...], axis: str, index: torch.Tensor,
+           values: torch.Tensor) -> "ChannelPacked":
+        return cls(**{f.name: getattr(inliers, f.name) for f in dataclasses.fields(Packed)},
+                   full_shape=full_shape, axis=axis, outlier_index=index, outlier_values=values)
+
+    def inliers(self) -> Packed:
+        """The format-1 record of the inlier matrix alone."""
+        return Packed(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Packed)})
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a [tokens, channels] or [batch, tokens, channels] save the codec splits."""
+    return x.dim() in (2, 3) and x.shape[-1] >= MIN_CHANNELS and x.numel() // x.shape[-1] >= 2
+
+
+def outlier_channels(m: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` channels (columns) of ``m`` [R, C] with the largest max |m|, ascending. O(R * C).
+
+    >>> outlier_channels(torch.tensor([[1.0, -9.0, 2.0], [0.0, 1.0, 3.0]]), 1).tolist()
+    [1]
+    """
+    if count == 0:
+        return torch.empty(0, dtype=torch.int64, device=m.device)
+    peak = m.abs().amax(dim=0).float().nan_to_num(posinf=float("inf"), nan=float("inf"))
+    return torch.topk(peak, count, sorted=False).indices.sort().values
+
+
+def _inlier_channels(index: torch.Tensor, channels: int) -> torch.Tensor:
+    keep = torch.ones(channels, dtype=torch.bool, device=index.device)
+    keep[index] = False
+    return keep.nonzero().flatten()
+
+
+def split_channels(x: torch.Tensor, count: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(outlier index int64 [k], outlier values x.dtype [R, k], inlier matrix contiguous [R, C - k] for
+    axis "token" or [C - k, R] for axis "channel"). O(numel)."""
+    m = x.detach().reshape(-1, x.shape[-1])
+    index = outlier_channels(m, count)
+    inliers = m.index_select(1, _inlier_channels(index, m.shape[1]))
+    inliers = inliers.t().contiguous() if axis == "channel" else inliers.contiguous()
+    return index, m.index_select(1, index), inliers
+
+
+def join_channels(inliers: torch.Tensor, index: torch.Tensor, values: torch.Tensor, full_shape: tuple[int, ...],
+                  axis: str) -> torch.Tensor:
+    """The inverse of ``split_channels``: a contiguous tensor of ``full_shape``. O(numel)."""
+    channels = full_shape[-1]
+    inliers = inliers.t() if axis == "channel" else inliers
+    out = torch.empty(inliers.shape[0], channels, dtype=inliers.dtype, device=inliers.device)
+    out[:, _inlier_channels(index, channels)] = inliers
+    out[:, index] = values
+    return out.view(full_shape)
+
+
+def _token_group(rows: int, group_size: int) -> int:
+    """Group size along the tokens of a channel: ``group_size`` if it divides ``rows``, else the largest
+    power of two that does (so that no group mixes two channels), unless that is below 16."""
+    if rows % group_size == 0:
+        return group_size
+    divisor = rows & -rows
+    return divisor if divisor >= _MIN_TOKEN_GROUP else group_size
+
+
+class ChannelCodec:
+    """Outlier channels exact, the rest coded along ``config.axis``; ``minmax`` (whose backend it shares)
+    for saves it does not split; GELU/SiLU inputs as derivative codes when ``config.derivatives``."""
+
+    packed_type = ChannelPacked
+
+    def __init__(self, minmax: MinMaxCodec, config: Outliers) -> None:
+        self.minmax = minmax
+        self.config = config
+        self.derivative = DerivativeCodec(minmax.backend, minmax.group_size)
+
+    @property
+    def name(self) -> str:
+        return f"outliers/{self.minmax.backend.name}"
+
+    def outlier_count(self, channels: int) -> int:
+        fraction = self.config.fraction
+        return 0 if fraction == 0 else max(1, min(channels - 1, int(-(-fraction * channels // 1))))
+
+    def encode(self, x: torch.Tensor, spec: Spec) -> Packed:
+        if self.config.derivatives and self.derivative.takes(x, spec):
+            return self.derivative.encode(x, spec)
+        if not applies(x):
+            return self.minmax.encode(x, spec)
+        axis = self.config.axis
+        index, values, inliers = split_channels(x, self.outlier_count(x.shape[-1]), axis)
+        if axis == "channel":
+            group = _token_group(inliers.shape[1], self.minmax.group_size)
+            packed = encode(inliers, spec.bits, group, self.minmax.rounding, spec.seed, self.minmax.backend)
+        else:
+            packed = self.minmax.encode(inliers, spec)
+        return ChannelPacked.of(packed, tuple(x.shape), axis, index, values.clone())
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        if isinstance(packed, DerivativePacked):
+            return self.derivative.decode(packed)
+        if isinstance(packed, ChannelPacked):
+            inliers = self.minmax.decode(packed.inliers())
+            return join_channels(inliers, packed.outlier_index, packed.outlier_values, packed.full_shape,
+                                 packed.axis)
+        return self.minmax.decode(packed)
+
+    def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
+        """The inliers at fewer ``bits``; the outlier channels stay exact; derivative codes stay as they are."""
+        if isinstance(packed, DerivativePacked):
+            return packed
+        if not isinstance(packed, ChannelPacked):
+            return self.minmax.reencode(packed, bits, seed)
+        inliers = self.minmax.decode(packed.inliers())
+        coded = encode(inliers, bits, packed.group_size, self.minmax.rounding, seed, self.minmax.backend)
+        return ChannelPacked.of(coded, packed.full_shape, packed.axis, packed.outlier_index, packed.outlier_values)
