@@ -7,14 +7,15 @@ codes round every other element of the group to its minimum. For a save ``x`` [.
 
     outliers = the k = ceil(fraction * C) channels of largest max |m|      int64 [k], ascending
     exact    = m[:, outliers]                                              x.dtype [R, k]
-    inliers  = m[:, the other channels]                                    [R, C - k]
-    axis "token":   format-1 codes of inliers        (a group runs along the channels of a token)
-    axis "channel": format-1 codes of inliers.T      (a group runs along the tokens of a channel)
+    axis "token":   format-1 codes of m with each outlier column replaced by its nearest inlier
+                    column, [R, C] (a group runs along the channels of a token, aligned as in MinMax)
+    axis "channel": format-1 codes of m[:, the other channels].T, [C - k, R] (a group runs along
+                    the tokens of a channel; its size the largest power of two <= G dividing R)
 
-The codes are an ordinary format-1 ``Packed`` of the inlier matrix (reference or native kernels,
+The codes are an ordinary format-1 ``Packed`` of that matrix (reference or native kernels,
 whatever the session's backend is), so the page pool stores and spills it like any record;
 ``exact`` and ``outliers`` ride in the record's header (side bytes). Cost per element:
-``bits + 32 / G`` for the inliers plus ``k * dtype_bits / C``; with 1% of 576 channels in float32,
+``bits + 32 / G`` for the codes plus ``k * dtype_bits / C``; with 1% of 576 channels in float32,
 0.33 bit. Other saves (1-D, 4-D attention maps and feature maps, small ones) use MinMax unchanged.
 The packed form is format 1's ``Packed`` plus these fields: docs/format.md, "Outlier channels".
 
@@ -48,7 +49,7 @@ _MIN_TOKEN_GROUP = 16
 
 @dataclass
 class ChannelPacked(Packed):
-    """Format-1 record of the inlier matrix (``shape`` [R, C - k], or [C - k, R] for axis "channel")
+    """Format-1 record of the coded matrix (``shape`` [R, C], or [C - k, R] for axis "channel")
     plus what restores ``x``: ``full_shape``, ``axis``, ``outlier_index`` int64 [k] and
     ``outlier_values`` x.dtype [R, k]."""
 
@@ -63,13 +64,13 @@ class ChannelPacked(Packed):
         return super().nbytes + side
 
     @classmethod
-    def of(cls, inliers: Packed, full_shape: tuple[int, ...], axis: str, index: torch.Tensor,
+    def of(cls, coded: Packed, full_shape: tuple[int, ...], axis: str, index: torch.Tensor,
            values: torch.Tensor) -> "ChannelPacked":
-        return cls(**{f.name: getattr(inliers, f.name) for f in dataclasses.fields(Packed)},
+        return cls(**{f.name: getattr(coded, f.name) for f in dataclasses.fields(Packed)},
                    full_shape=full_shape, axis=axis, outlier_index=index, outlier_values=values)
 
-    def inliers(self) -> Packed:
-        """The format-1 record of the inlier matrix alone."""
+    def codes(self) -> Packed:
+        """The format-1 record of the coded matrix alone."""
         return Packed(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Packed)})
 
 
@@ -96,23 +97,44 @@ def _inlier_channels(index: torch.Tensor, channels: int) -> torch.Tensor:
     return keep.nonzero().flatten()
 
 
+def _stand_ins(index: torch.Tensor, channels: int) -> torch.Tensor:
+    """For each outlier channel, the nearest inlier channel (left first): its values stand in for the
+    outlier's in the codes, so that the outlier widens no group's range. O(C)."""
+    inliers = _inlier_channels(index, channels)
+    if inliers.numel() == 0:
+        return index
+    position = torch.searchsorted(inliers, index).clamp(max=inliers.numel() - 1)
+    left = inliers[(position - 1).clamp(min=0)]
+    right = inliers[position]
+    return torch.where((index - left).abs() <= (right - index).abs(), left, right)
+
+
 def split_channels(x: torch.Tensor, count: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(outlier index int64 [k], outlier values x.dtype [R, k], inlier matrix contiguous [R, C - k] for
-    axis "token" or [C - k, R] for axis "channel"). O(numel)."""
+    """(outlier index int64 [k], outlier values x.dtype [R, k], the matrix to code, contiguous).
+
+    Axis "token": [R, C], the outlier columns replaced by their nearest inlier column, so that groups
+    stay aligned with tokens as in MinMax; axis "channel": the inlier columns transposed, [C - k, R].
+    O(numel).
+    """
     m = x.detach().reshape(-1, x.shape[-1])
     index = outlier_channels(m, count)
-    inliers = m.index_select(1, _inlier_channels(index, m.shape[1]))
-    inliers = inliers.t().contiguous() if axis == "channel" else inliers.contiguous()
-    return index, m.index_select(1, index), inliers
+    values = m.index_select(1, index)
+    if axis == "channel":
+        return index, values, m.index_select(1, _inlier_channels(index, m.shape[1])).t().contiguous()
+    coded = m.clone(memory_format=torch.contiguous_format)
+    coded[:, index] = m.index_select(1, _stand_ins(index, m.shape[1]))
+    return index, values, coded
 
 
-def join_channels(inliers: torch.Tensor, index: torch.Tensor, values: torch.Tensor, full_shape: tuple[int, ...],
+def join_channels(coded: torch.Tensor, index: torch.Tensor, values: torch.Tensor, full_shape: tuple[int, ...],
                   axis: str) -> torch.Tensor:
     """The inverse of ``split_channels``: a contiguous tensor of ``full_shape``. O(numel)."""
     channels = full_shape[-1]
-    inliers = inliers.t() if axis == "channel" else inliers
-    out = torch.empty(inliers.shape[0], channels, dtype=inliers.dtype, device=inliers.device)
-    out[:, _inlier_channels(index, channels)] = inliers
+    if axis == "channel":
+        out = torch.empty(coded.shape[1], channels, dtype=coded.dtype, device=coded.device)
+        out[:, _inlier_channels(index, channels)] = coded.t()
+    else:
+        out = coded.reshape(-1, channels)
     out[:, index] = values
     return out.view(full_shape)
 
@@ -151,29 +173,27 @@ class ChannelCodec:
         if not applies(x):
             return self.minmax.encode(x, spec)
         axis = self.config.axis
-        index, values, inliers = split_channels(x, self.outlier_count(x.shape[-1]), axis)
+        index, values, coded = split_channels(x, self.outlier_count(x.shape[-1]), axis)
+        group = self.minmax.group_size
         if axis == "channel":
-            group = _token_group(inliers.shape[1], self.minmax.group_size)
-            packed = encode(inliers, spec.bits, group, self.minmax.rounding, spec.seed, self.minmax.backend)
-        else:
-            packed = self.minmax.encode(inliers, spec)
+            group = _token_group(coded.shape[1], group)
+        packed = encode(coded, spec.bits, group, self.minmax.rounding, spec.seed, self.minmax.backend)
         return ChannelPacked.of(packed, tuple(x.shape), axis, index, values.clone())
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if isinstance(packed, DerivativePacked):
             return self.derivative.decode(packed)
         if isinstance(packed, ChannelPacked):
-            inliers = self.minmax.decode(packed.inliers())
-            return join_channels(inliers, packed.outlier_index, packed.outlier_values, packed.full_shape,
-                                 packed.axis)
+            return join_channels(self.minmax.decode(packed.codes()), packed.outlier_index, packed.outlier_values,
+                                 packed.full_shape, packed.axis)
         return self.minmax.decode(packed)
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
-        """The inliers at fewer ``bits``; the outlier channels stay exact; derivative codes stay as they are."""
+        """The codes at fewer ``bits``; the outlier channels stay exact; derivative codes stay as they are."""
         if isinstance(packed, DerivativePacked):
             return packed
         if not isinstance(packed, ChannelPacked):
             return self.minmax.reencode(packed, bits, seed)
-        inliers = self.minmax.decode(packed.inliers())
-        coded = encode(inliers, bits, packed.group_size, self.minmax.rounding, seed, self.minmax.backend)
+        coded = encode(self.minmax.decode(packed.codes()), bits, packed.group_size, self.minmax.rounding, seed,
+                       self.minmax.backend)
         return ChannelPacked.of(coded, packed.full_shape, packed.axis, packed.outlier_index, packed.outlier_values)
