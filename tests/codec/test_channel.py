@@ -85,6 +85,9 @@ def test_other_shapes_fall_back_to_minmax():
     for x in (torch.randn(4096), torch.randn(2, 4, 16, 16), torch.randn(64, 8), torch.randn(1, 300)):
         p = codec.encode(x, Spec(4, 0))
         assert not isinstance(p, ChannelPacked) and codec.decode(p).shape == x.shape
+    channels_last = torch.randn(2, 8, 8, 32)  # ConvNeXt's LayerNorm and Linear read [N, H, W, C]
+    assert isinstance(codec.encode(channels_last, Spec(2, 0, "layer_norm")), ChannelPacked)
+    assert not isinstance(codec.encode(channels_last, Spec(2, 0, "matmul")), ChannelPacked)
 
 
 @pytest.mark.parametrize("axis", ["token", "channel"])

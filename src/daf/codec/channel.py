@@ -16,7 +16,7 @@ The codes are an ordinary format-1 ``Packed`` of that matrix (reference or nativ
 whatever the session's backend is), so the page pool stores and spills it like any record;
 ``exact`` and ``outliers`` ride in the record's header (side bytes). Cost per element:
 ``bits + 32 / G`` for the codes plus ``k * dtype_bits / C``; with 1% of 576 channels in float32,
-0.33 bit. Other saves (1-D, 4-D attention maps and feature maps, small ones) use MinMax unchanged.
+0.33 bit. Other saves (1-D; 4-D attention maps and NCHW feature maps; fewer than 16 channels) use MinMax unchanged.
 The packed form is format 1's ``Packed`` plus these fields: docs/format.md, "Outlier channels".
 
 >>> import daf
@@ -43,6 +43,7 @@ from daf.format import Packed
 __all__ = ["ChannelCodec", "ChannelPacked", "outlier_channels", "split_channels", "join_channels", "MIN_CHANNELS"]
 
 MIN_CHANNELS = 16
+CHANNELS_LAST_CONSUMERS = frozenset({"layer_norm", "linear"})
 # Groups along tokens shorter than this cost more metadata than they save in range (32/16 = 2 bits each).
 _MIN_TOKEN_GROUP = 16
 
@@ -74,9 +75,12 @@ class ChannelPacked(Packed):
         return Packed(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Packed)})
 
 
-def applies(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a [tokens, channels] or [batch, tokens, channels] save the codec splits."""
-    return x.dim() in (2, 3) and x.shape[-1] >= MIN_CHANNELS and x.numel() // x.shape[-1] >= 2
+def applies(x: torch.Tensor, consumer: str | None = None) -> bool:
+    """Whether ``x`` is a save the codec splits: [tokens, channels] or [batch, tokens, channels]; 4-D only
+    when a LayerNorm or a Linear reads it (a channels-last map [N, H, W, C]), since the last dimension
+    of other 4-D saves (attention maps [B, heads, T, T], feature maps [N, C, H, W]) is no channel."""
+    dims = (2, 3, 4) if consumer in CHANNELS_LAST_CONSUMERS else (2, 3)
+    return x.dim() in dims and x.shape[-1] >= MIN_CHANNELS and x.numel() // x.shape[-1] >= 2
 
 
 def outlier_channels(m: torch.Tensor, count: int) -> torch.Tensor:
@@ -170,7 +174,7 @@ class ChannelCodec:
     def encode(self, x: torch.Tensor, spec: Spec) -> Packed:
         if self.config.derivatives and self.derivative.takes(x, spec):
             return self.derivative.encode(x, spec)
-        if not applies(x):
+        if not applies(x, spec.consumer):
             return self.minmax.encode(x, spec)
         axis = self.config.axis
         index, values, coded = split_channels(x, self.outlier_count(x.shape[-1]), axis)
