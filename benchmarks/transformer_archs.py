@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -44,8 +45,20 @@ HIDDEN, LAYERS, HEADS, FFN, VOCAB = 256, 2, 4, 1024, 1000
 class Arch:
     name: str
     make: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator], dict]
+    batch: Callable[[torch.Generator], Any]
     embedding: Callable[[nn.Module], nn.Module]  # where --outliers scales channels
+    loss: Callable[[nn.Module, Any], torch.Tensor] = lambda model, batch: model(**batch).loss
+
+
+def pretrained(name: str, batch: int) -> Arch:
+    """A project workload (``smollm-lora``, ``minilm-tweets``): pretrained weights + LoRA, its first batch.
+    The model is loaded once and copied per method (``measure`` deep-copies it)."""
+    from daf.workloads import get_workload
+    workload = get_workload(name, seed=0)
+    first = next(iter(workload.batches(batch, 1)))
+    torch.manual_seed(0)
+    model = workload.build_model().train()
+    return Arch(name, lambda: model, lambda g: first, lambda m: nn.Identity(), workload.loss)
 
 
 def _text(batch: int, seq: int, labels: str) -> Callable[[torch.Generator], dict]:
@@ -116,6 +129,10 @@ def methods() -> dict[str, daf.Config | None]:
         "adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0)),
         "outliers-2": daf.Config(bits=2, codec=Outliers()),
         "outliers-channel-2": daf.Config(bits=2, codec=Outliers(axis="channel")),
+        "outliers-channel-derivatives-2": daf.Config(bits=2, codec=Outliers(axis="channel", derivatives=True)),
+        "outliers-channel-4": daf.Config(bits=4, codec=Outliers(axis="channel")),
+        "outliers-channel-adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0),
+                                                    codec=Outliers(axis="channel")),
         "outliers-none-2": daf.Config(bits=2, codec=Outliers(fraction=0.0)),
         "outliers-adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0), codec=Outliers()),
         "derivatives-2": daf.Config(bits=2, codec=Outliers(fraction=0.0, derivatives=True)),
@@ -136,14 +153,9 @@ def _with_outliers(model: nn.Module, arch: Arch, channels: int) -> nn.Module:
     return model
 
 
-def _loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    out = model(**batch)
-    return out.loss
-
-
-def _gradient(model: nn.Module, batch: dict) -> torch.Tensor:
+def _gradient(model: nn.Module, arch: Arch, batch: Any) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
-    _loss(model, batch).backward()
+    arch.loss(model, batch).backward()
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
                       for p in model.parameters() if p.requires_grad])
 
@@ -153,7 +165,7 @@ def measure(arch: Arch, configs: dict[str, daf.Config], warmup: int, outliers: i
     base = _with_outliers(arch.make(), arch, outliers)
     batch = arch.batch(torch.Generator().manual_seed(seed))
     started = time.perf_counter()
-    g_ref = _gradient(base, batch)
+    g_ref = _gradient(base, arch, batch)
     rows = {"fp32": {"cosine": 1.0, "rel_error": 0.0, "seconds": time.perf_counter() - started}}
     kinds = module_kinds(base)
     for name, config in configs.items():
@@ -166,11 +178,11 @@ def measure(arch: Arch, configs: dict[str, daf.Config], warmup: int, outliers: i
                                                         window=warmup))
             daf.wrap(model, config)
             for _ in range(warmup):
-                _gradient(model, batch)
+                _gradient(model, arch, batch)
         else:
             daf.wrap(model, config)
         started = time.perf_counter()
-        g = _gradient(model, batch)
+        g = _gradient(model, arch, batch)
         seconds = time.perf_counter() - started
         report = daf.report(model)
         rows[name] = {"cosine": float(F.cosine_similarity(g, g_ref, dim=0)),
@@ -194,10 +206,13 @@ def _elements_by_kind(report: daf.Report, kinds: tuple[tuple[str, str], ...]) ->
     return counts
 
 
-def site_configs(low: int, high: int) -> dict[str, daf.Config]:
-    configs = {f"all-{high}": daf.Config(policy=KindBits("none", low, high))}
+def site_configs(low: int, high: int, codec: str) -> dict[str, daf.Config]:
+    """``all-8``, then each kind at ``low`` bits and the others at ``high``, with ``codec`` ("minmax",
+    "outliers", "outliers-channel")."""
+    codecs = {"minmax": daf.MinMax(), "outliers": Outliers(), "outliers-channel": Outliers(axis="channel")}
+    configs = {f"all-{high}": daf.Config(policy=KindBits("none", low, high), codec=codecs[codec])}
     for kind in KINDS:
-        configs[f"{kind}-{low}"] = daf.Config(policy=KindBits(kind, low, high))
+        configs[f"{kind}-{low}"] = daf.Config(policy=KindBits(kind, low, high), codec=codecs[codec])
     return configs
 
 
@@ -222,9 +237,12 @@ def table(results: dict[str, dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--archs", default="gpt2,bert,t5,llama,vit,convnext")
+    parser.add_argument("--archs", default="gpt2,bert,t5,llama,vit,convnext",
+                        help="of gpt2,bert,t5,llama,vit,convnext (random init) and smollm-lora, minilm-tweets")
+    parser.add_argument("--pretrained-batch", type=int, default=8)
     parser.add_argument("--methods", default="uniform-2,uniform-4,adaptive-2.0")
     parser.add_argument("--sites", action="store_true", help="one kind of save at 2 bits, the others at 8")
+    parser.add_argument("--sites-codec", default="minmax", choices=("minmax", "outliers", "outliers-channel"))
     parser.add_argument("--attention", default="eager", choices=("eager", "sdpa"))
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--outliers", type=int, default=0)
@@ -234,7 +252,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     known = methods()
-    configs = site_configs(2, 8) if args.sites else {}
+    configs = site_configs(2, 8, args.sites_codec) if args.sites else {}
     for name in filter(None, args.methods.split(",")) if not args.sites else []:
         if name not in known:
             parser.error(f"unknown method {name!r}; choose from {list(known)}")
@@ -242,7 +260,8 @@ def main() -> None:
     all_archs = archs(args.attention)
     results = {}
     for name in args.archs.split(","):
-        results[name] = measure(all_archs[name], configs, args.warmup, args.outliers, args.seed)
+        arch = all_archs[name] if name in all_archs else pretrained(name, args.pretrained_batch)
+        results[name] = measure(arch, configs, args.warmup, args.outliers, args.seed)
         print(f"{name}: " + "  ".join(f"{m} {r['cosine']:.4f}" for m, r in results[name].items()), flush=True)
     print(table(results))
     if args.json:

@@ -30,6 +30,8 @@ CONFIGS: dict[str, daf.Config] = {
     "adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0)),
     "outliers-2": daf.Config(bits=2, codec=Outliers()),
     "outliers-channel-2": daf.Config(bits=2, codec=Outliers(axis="channel")),
+    "outliers-channel-derivatives-2": daf.Config(bits=2, codec=Outliers(axis="channel", derivatives=True)),
+    "outliers-channel-adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0), codec=Outliers(axis="channel")),
     "outliers-derivatives-2": daf.Config(bits=2, codec=Outliers(derivatives=True)),
     "outliers-4": daf.Config(bits=4, codec=Outliers()),
     "outliers-channel-4": daf.Config(bits=4, codec=Outliers(axis="channel")),

@@ -51,24 +51,26 @@ _MIN_TOKEN_GROUP = 16
 @dataclass
 class ChannelPacked(Packed):
     """Format-1 record of the coded matrix (``shape`` [R, C], or [C - k, R] for axis "channel")
-    plus what restores ``x``: ``full_shape``, ``axis``, ``outlier_index`` int64 [k] and
-    ``outlier_values`` x.dtype [R, k]."""
+    plus what restores ``x``: ``full_shape``, ``axis``, ``outlier_index`` int64 [k],
+    ``outlier_values`` x.dtype [R, k] and, for axis "channel", ``row_scale`` float32 [R]."""
 
     full_shape: tuple[int, ...] = ()
     axis: str = "token"
     outlier_index: torch.Tensor | None = None
     outlier_values: torch.Tensor | None = None
+    row_scale: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         side = 0 if self.outlier_index is None else self.outlier_index.nbytes + self.outlier_values.nbytes
-        return super().nbytes + side
+        return super().nbytes + side + (0 if self.row_scale is None else self.row_scale.nbytes)
 
     @classmethod
     def of(cls, coded: Packed, full_shape: tuple[int, ...], axis: str, index: torch.Tensor,
-           values: torch.Tensor) -> "ChannelPacked":
+           values: torch.Tensor, row_scale: torch.Tensor | None) -> "ChannelPacked":
         return cls(**{f.name: getattr(coded, f.name) for f in dataclasses.fields(Packed)},
-                   full_shape=full_shape, axis=axis, outlier_index=index, outlier_values=values)
+                   full_shape=full_shape, axis=axis, outlier_index=index, outlier_values=values,
+                   row_scale=row_scale)
 
     def codes(self) -> Packed:
         """The format-1 record of the coded matrix alone."""
@@ -113,30 +115,36 @@ def _stand_ins(index: torch.Tensor, channels: int) -> torch.Tensor:
     return torch.where((index - left).abs() <= (right - index).abs(), left, right)
 
 
-def split_channels(x: torch.Tensor, count: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(outlier index int64 [k], outlier values x.dtype [R, k], the matrix to code, contiguous).
+def split_channels(x: torch.Tensor, count: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor | None]:
+    """(outlier index int64 [k], outlier values x.dtype [R, k], the matrix to code (contiguous), row scales).
 
-    Axis "token": [R, C], the outlier columns replaced by their nearest inlier column, so that groups
-    stay aligned with tokens as in MinMax; axis "channel": the inlier columns transposed, [C - k, R].
-    O(numel).
+    Axis "token": [R, C] in x.dtype, the outlier columns replaced by their nearest inlier column, so that
+    groups stay aligned with tokens as in MinMax; no row scales. Axis "channel": the inlier columns,
+    each row divided by its largest |inlier| (float32 [R], 1 for rows of zeros), transposed: float32
+    [C - k, R]. The row scales keep a token far larger than the others (an attention sink, ViT's class
+    token) from setting the range of every channel's group. O(numel).
     """
     m = x.detach().reshape(-1, x.shape[-1])
     index = outlier_channels(m, count)
     values = m.index_select(1, index)
     if axis == "channel":
-        return index, values, m.index_select(1, _inlier_channels(index, m.shape[1])).t().contiguous()
+        inliers = m.index_select(1, _inlier_channels(index, m.shape[1])).float()
+        scale = inliers.abs().amax(dim=1) if inliers.shape[1] else torch.ones(m.shape[0], device=m.device)
+        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+        return index, values, (inliers / scale[:, None]).t().contiguous(), scale
     coded = m.clone(memory_format=torch.contiguous_format)
     coded[:, index] = m.index_select(1, _stand_ins(index, m.shape[1]))
-    return index, values, coded
+    return index, values, coded, None
 
 
 def join_channels(coded: torch.Tensor, index: torch.Tensor, values: torch.Tensor, full_shape: tuple[int, ...],
-                  axis: str) -> torch.Tensor:
-    """The inverse of ``split_channels``: a contiguous tensor of ``full_shape``. O(numel)."""
+                  axis: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of ``split_channels``: a contiguous tensor of ``full_shape`` and ``values.dtype``. O(numel)."""
     channels = full_shape[-1]
     if axis == "channel":
-        out = torch.empty(coded.shape[1], channels, dtype=coded.dtype, device=coded.device)
-        out[:, _inlier_channels(index, channels)] = coded.t()
+        out = torch.empty(coded.shape[1], channels, dtype=values.dtype, device=coded.device)
+        out[:, _inlier_channels(index, channels)] = (coded.t() * scale[:, None]).to(values.dtype)
     else:
         out = coded.reshape(-1, channels)
     out[:, index] = values
@@ -177,19 +185,19 @@ class ChannelCodec:
         if not applies(x, spec.consumer):
             return self.minmax.encode(x, spec)
         axis = self.config.axis
-        index, values, coded = split_channels(x, self.outlier_count(x.shape[-1]), axis)
+        index, values, coded, scale = split_channels(x, self.outlier_count(x.shape[-1]), axis)
         group = self.minmax.group_size
         if axis == "channel":
             group = _token_group(coded.shape[1], group)
         packed = encode(coded, spec.bits, group, self.minmax.rounding, spec.seed, self.minmax.backend)
-        return ChannelPacked.of(packed, tuple(x.shape), axis, index, values.clone())
+        return ChannelPacked.of(packed, tuple(x.shape), axis, index, values.clone(), scale)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if isinstance(packed, DerivativePacked):
             return self.derivative.decode(packed)
         if isinstance(packed, ChannelPacked):
             return join_channels(self.minmax.decode(packed.codes()), packed.outlier_index, packed.outlier_values,
-                                 packed.full_shape, packed.axis)
+                                 packed.full_shape, packed.axis, packed.row_scale)
         return self.minmax.decode(packed)
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
@@ -200,4 +208,5 @@ class ChannelCodec:
             return self.minmax.reencode(packed, bits, seed)
         coded = encode(self.minmax.decode(packed.codes()), bits, packed.group_size, self.minmax.rounding, seed,
                        self.minmax.backend)
-        return ChannelPacked.of(coded, packed.full_shape, packed.axis, packed.outlier_index, packed.outlier_values)
+        return ChannelPacked.of(coded, packed.full_shape, packed.axis, packed.outlier_index, packed.outlier_values,
+                                packed.row_scale)
