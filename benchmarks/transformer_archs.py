@@ -130,6 +130,7 @@ def methods() -> dict[str, daf.Config | None]:
         "outliers-2": daf.Config(bits=2, codec=Outliers()),
         "outliers-channel-2": daf.Config(bits=2, codec=Outliers(axis="channel")),
         "outliers-channel-derivatives-2": daf.Config(bits=2, codec=Outliers(axis="channel", derivatives=True)),
+        "outliers-4": daf.Config(bits=4, codec=Outliers()),
         "outliers-channel-4": daf.Config(bits=4, codec=Outliers(axis="channel")),
         "outliers-channel-adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0),
                                                     codec=Outliers(axis="channel")),
@@ -155,6 +156,7 @@ def _with_outliers(model: nn.Module, arch: Arch, channels: int) -> nn.Module:
 
 def _gradient(model: nn.Module, arch: Arch, batch: Any) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same dropout masks for every method (the pretrained workloads keep dropout)
     arch.loss(model, batch).backward()
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
                       for p in model.parameters() if p.requires_grad])

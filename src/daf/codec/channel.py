@@ -55,7 +55,7 @@ class ChannelPacked(Packed):
     ``outlier_values`` x.dtype [R, k] and, for axis "channel", ``row_scale`` float32 [R]."""
 
     full_shape: tuple[int, ...] = ()
-    axis: str = "token"
+    axis: str = "channel"
     outlier_index: torch.Tensor | None = None
     outlier_values: torch.Tensor | None = None
     row_scale: torch.Tensor | None = None
