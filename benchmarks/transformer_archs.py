@@ -37,6 +37,7 @@ from daf.config import Outliers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from site_kinds import KINDS, KindBits, classify, module_kinds  # noqa: E402
+from transformer_configs import CONFIGS  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB = 256, 2, 4, 1024, 1000
 
@@ -120,29 +121,6 @@ def archs(attention: str) -> dict[str, Arch]:
     }
 
 
-def methods() -> dict[str, daf.Config | None]:
-    """Name -> Config (None: the fp32 reference). ``--sites`` adds the per-kind configs."""
-    return {
-        "uniform-2": daf.Config(bits=2),
-        "uniform-4": daf.Config(bits=4),
-        "uniform-8": daf.Config(bits=8),
-        "adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0)),
-        "outliers-2": daf.Config(bits=2, codec=Outliers()),
-        "outliers-channel-2": daf.Config(bits=2, codec=Outliers(axis="channel")),
-        "outliers-channel-derivatives-2": daf.Config(bits=2, codec=Outliers(axis="channel", derivatives=True)),
-        "outliers-4": daf.Config(bits=4, codec=Outliers()),
-        "outliers-channel-4": daf.Config(bits=4, codec=Outliers(axis="channel")),
-        "outliers-channel-adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0),
-                                                    codec=Outliers(axis="channel")),
-        "outliers-none-2": daf.Config(bits=2, codec=Outliers(fraction=0.0)),
-        "outliers-adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0), codec=Outliers()),
-        "derivatives-2": daf.Config(bits=2, codec=Outliers(fraction=0.0, derivatives=True)),
-        "outliers-derivatives-2": daf.Config(bits=2, codec=Outliers(derivatives=True)),
-        "outliers-derivatives-adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0),
-                                                        codec=Outliers(derivatives=True)),
-    }
-
-
 def _with_outliers(model: nn.Module, arch: Arch, channels: int) -> nn.Module:
     """Scale ``channels`` hidden channels of the embedding's output by 30 (a forward hook)."""
     if channels:
@@ -210,8 +188,8 @@ def _elements_by_kind(report: daf.Report, kinds: tuple[tuple[str, str], ...]) ->
 
 def site_configs(low: int, high: int, codec: str) -> dict[str, daf.Config]:
     """``all-8``, then each kind at ``low`` bits and the others at ``high``, with ``codec`` ("minmax",
-    "outliers", "outliers-channel")."""
-    codecs = {"minmax": daf.MinMax(), "outliers": Outliers(), "outliers-channel": Outliers(axis="channel")}
+    "outliers", "outliers-token")."""
+    codecs = {"minmax": daf.MinMax(), "outliers": Outliers(), "outliers-token": Outliers(axis="token")}
     configs = {f"all-{high}": daf.Config(policy=KindBits("none", low, high), codec=codecs[codec])}
     for kind in KINDS:
         configs[f"{kind}-{low}"] = daf.Config(policy=KindBits(kind, low, high), codec=codecs[codec])
@@ -244,7 +222,7 @@ def main() -> None:
     parser.add_argument("--pretrained-batch", type=int, default=8)
     parser.add_argument("--methods", default="uniform-2,uniform-4,adaptive-2.0")
     parser.add_argument("--sites", action="store_true", help="one kind of save at 2 bits, the others at 8")
-    parser.add_argument("--sites-codec", default="minmax", choices=("minmax", "outliers", "outliers-channel"))
+    parser.add_argument("--sites-codec", default="minmax", choices=("minmax", "outliers", "outliers-token"))
     parser.add_argument("--attention", default="eager", choices=("eager", "sdpa"))
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--outliers", type=int, default=0)
@@ -253,7 +231,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    known = methods()
+    known = CONFIGS
     configs = site_configs(2, 8, args.sites_codec) if args.sites else {}
     for name in filter(None, args.methods.split(",")) if not args.sites else []:
         if name not in known:

@@ -17,28 +17,9 @@ from pathlib import Path
 
 import torch
 
-import daf
-from daf.config import Outliers
-
 sys.path.insert(0, str(Path(__file__).parent))
 import gradient_error  # noqa: E402
-
-CONFIGS: dict[str, daf.Config] = {
-    "uniform-2": daf.Config(bits=2),
-    "uniform-4": daf.Config(bits=4),
-    "uniform-8": daf.Config(bits=8),
-    "adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0)),
-    "outliers-2": daf.Config(bits=2, codec=Outliers()),
-    "outliers-channel-2": daf.Config(bits=2, codec=Outliers(axis="channel")),
-    "outliers-channel-derivatives-2": daf.Config(bits=2, codec=Outliers(axis="channel", derivatives=True)),
-    "outliers-channel-adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0), codec=Outliers(axis="channel")),
-    "outliers-derivatives-2": daf.Config(bits=2, codec=Outliers(derivatives=True)),
-    "outliers-4": daf.Config(bits=4, codec=Outliers()),
-    "outliers-channel-4": daf.Config(bits=4, codec=Outliers(axis="channel")),
-    "outliers-derivatives-4": daf.Config(bits=4, codec=Outliers(derivatives=True)),
-    "outliers-adaptive-2.0": daf.Config(policy=daf.Adaptive(average=2.0), codec=Outliers()),
-    "derivatives-2": daf.Config(bits=2, codec=Outliers(fraction=0.0, derivatives=True)),
-}
+from transformer_configs import CONFIGS  # noqa: E402
 
 
 def main() -> None:
@@ -46,7 +27,8 @@ def main() -> None:
     parser.add_argument("--workload", choices=("smollm", "minilm"), default="smollm")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--replan-every", type=int, default=10)
-    parser.add_argument("--configs", default="uniform-2,outliers-2,outliers-channel-2,uniform-4,outliers-4")
+    parser.add_argument("--configs", default="uniform-2,outliers-2,outliers-token-2,uniform-4,outliers-4",
+                        help=f"comma-separated, from {list(CONFIGS)}")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
