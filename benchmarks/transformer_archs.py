@@ -121,6 +121,13 @@ def archs(attention: str) -> dict[str, Arch]:
     }
 
 
+def kind_configs() -> dict[str, daf.Config]:
+    """Outliers at 2 bits except the saves of kind ``other`` (a gated MLP's product: SmolLM2's largest
+    remaining error) at 4 or 8 bits: what a per-site policy could reach."""
+    return {f"outliers-2-other-{bits}": daf.Config(policy=KindBits("other", bits, 2), codec=Outliers())
+            for bits in (4, 8)}
+
+
 def _with_outliers(model: nn.Module, arch: Arch, channels: int) -> nn.Module:
     """Scale ``channels`` hidden channels of the embedding's output by 30 (a forward hook)."""
     if channels:
@@ -231,7 +238,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    known = CONFIGS
+    known = {**CONFIGS, **kind_configs()}
     configs = site_configs(2, 8, args.sites_codec) if args.sites else {}
     for name in filter(None, args.methods.split(",")) if not args.sites else []:
         if name not in known:
