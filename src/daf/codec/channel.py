@@ -7,16 +7,18 @@ codes round every other element of the group to its minimum. For a save ``x`` [.
 
     outliers = the k = ceil(fraction * C) channels of largest max |m|      int64 [k], ascending
     exact    = m[:, outliers]                                              x.dtype [R, k]
+    axis "channel" (default): s = max |m[r, inliers]| per row (float32 [R]); format-1 codes of
+                    (m[:, inliers] / s).T, [C - k, R]: a group runs along the tokens of a channel
+                    (its size the largest power of two <= G dividing R), each token at its own scale
     axis "token":   format-1 codes of m with each outlier column replaced by its nearest inlier
-                    column, [R, C] (a group runs along the channels of a token, aligned as in MinMax)
-    axis "channel": format-1 codes of m[:, the other channels].T, [C - k, R] (a group runs along
-                    the tokens of a channel; its size the largest power of two <= G dividing R)
+                    column, [R, C]: a group runs along the channels of a token, aligned as in MinMax
 
 The codes are an ordinary format-1 ``Packed`` of that matrix (reference or native kernels,
 whatever the session's backend is), so the page pool stores and spills it like any record;
-``exact`` and ``outliers`` ride in the record's header (side bytes). Cost per element:
-``bits + 32 / G`` for the codes plus ``k * dtype_bits / C``; with 1% of 576 channels in float32,
-0.33 bit. Other saves (1-D; 4-D attention maps and NCHW feature maps; fewer than 16 channels) use MinMax unchanged.
+``exact``, ``outliers`` and ``s`` ride in the record's header (side bytes). Cost per element:
+``bits + 32 / G`` for the codes plus ``k * dtype_bits / C`` (+ ``32 / C`` for ``s``); with 1% of 576
+channels in float32, 0.39 bit. Other saves (1-D; 4-D attention maps and NCHW feature maps; fewer than
+16 channels) use MinMax unchanged. Why per channel with token scales: docs/transformers.md, section 2.
 The packed form is format 1's ``Packed`` plus these fields: docs/format.md, "Outlier channels".
 
 >>> import daf
@@ -190,7 +192,7 @@ class ChannelCodec:
         if axis == "channel":
             group = _token_group(coded.shape[1], group)
         packed = encode(coded, spec.bits, group, self.minmax.rounding, spec.seed, self.minmax.backend)
-        return ChannelPacked.of(packed, tuple(x.shape), axis, index, values.clone(), scale)
+        return ChannelPacked.of(packed, tuple(x.shape), axis, index, values, scale)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if isinstance(packed, DerivativePacked):
