@@ -195,8 +195,9 @@ def _elements_by_kind(report: daf.Report, kinds: tuple[tuple[str, str], ...]) ->
 
 def site_configs(low: int, high: int, codec: str) -> dict[str, daf.Config]:
     """``all-8``, then each kind at ``low`` bits and the others at ``high``, with ``codec`` ("minmax",
-    "outliers", "outliers-token")."""
-    codecs = {"minmax": daf.MinMax(), "outliers": Outliers(), "outliers-token": Outliers(axis="token")}
+    "outliers", "outliers-token", "outliers-derivatives")."""
+    codecs = {"minmax": daf.MinMax(), "outliers": Outliers(), "outliers-token": Outliers(axis="token"),
+              "outliers-derivatives": Outliers(derivatives=True)}
     configs = {f"all-{high}": daf.Config(policy=KindBits("none", low, high), codec=codecs[codec])}
     for kind in KINDS:
         configs[f"{kind}-{low}"] = daf.Config(policy=KindBits(kind, low, high), codec=codecs[codec])
@@ -229,7 +230,7 @@ def main() -> None:
     parser.add_argument("--pretrained-batch", type=int, default=8)
     parser.add_argument("--methods", default="uniform-2,uniform-4,adaptive-2.0")
     parser.add_argument("--sites", action="store_true", help="one kind of save at 2 bits, the others at 8")
-    parser.add_argument("--sites-codec", default="minmax", choices=("minmax", "outliers", "outliers-token"))
+    parser.add_argument("--sites-codec", default="minmax", choices=("minmax", "outliers", "outliers-token", "outliers-derivatives"))
     parser.add_argument("--attention", default="eager", choices=("eager", "sdpa"))
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--outliers", type=int, default=0)
