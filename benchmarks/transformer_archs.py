@@ -230,7 +230,8 @@ def main() -> None:
     parser.add_argument("--pretrained-batch", type=int, default=8)
     parser.add_argument("--methods", default="uniform-2,uniform-4,adaptive-2.0")
     parser.add_argument("--sites", action="store_true", help="one kind of save at 2 bits, the others at 8")
-    parser.add_argument("--sites-codec", default="minmax", choices=("minmax", "outliers", "outliers-token", "outliers-derivatives"))
+    parser.add_argument("--sites-codec", default="minmax",
+                        choices=("minmax", "outliers", "outliers-token", "outliers-derivatives"))
     parser.add_argument("--attention", default="eager", choices=("eager", "sdpa"))
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--outliers", type=int, default=0)
