@@ -64,3 +64,15 @@ def test_eight_bits_stay_close():
     reference = _grad(model, x)
     for codec in (Outliers(), Outliers(axis="channel"), Outliers(derivatives=True)):
         assert cosine(reference, _grad(_copy(model, bits=8, codec=codec), x)) > 0.999
+
+
+def test_background_packing_and_a_budget_give_the_same_records(tmp_path):
+    """The packer's thread and the page pool (demotion, spill) take the Outliers records as they are."""
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(8, 32, 16)
+    foreground = _grad(_copy(model, bits=4, codec=Outliers(derivatives=True)), x)
+    background = _grad(_copy(model, bits=4, codec=Outliers(derivatives=True), background=True), x)
+    assert torch.equal(foreground, background)
+    budget = _copy(model, bits=8, codec=Outliers(), budget="64KiB", min_bits=2, spill_dir=str(tmp_path))
+    assert cosine(_grad(model, x), _grad(budget, x)) > 0.9
+    assert daf.report(budget).sections["store"]["demotions"] > 0
