@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -223,6 +224,20 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def noise_table(results: dict[str, dict]) -> str:
+    """Mean and standard deviation of the cosine over the rounding seeds of each method ("name/seed")."""
+    lines = []
+    for arch, rows in results.items():
+        by_method: dict[str, list[float]] = {}
+        for name, r in rows.items():
+            if "/" in name:
+                by_method.setdefault(name.split("/")[0], []).append(r["cosine"])
+        for method, values in by_method.items():
+            lines.append(f"{arch:14s} {method:26s} mean {statistics.fmean(values):.4f} "
+                         f"sd {statistics.stdev(values):.4f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archs", default="gpt2,bert,t5,llama,vit,convnext",
@@ -236,6 +251,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--outliers", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounding-seeds", type=int, default=1,
+                        help="N > 1: each method with Config.seed 0..N-1 (rounding noise); mean and sd of the cosine")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -246,6 +263,9 @@ def main() -> None:
         if name not in known:
             parser.error(f"unknown method {name!r}; choose from {list(known)}")
         configs[name] = known[name]
+    if args.rounding_seeds > 1:
+        configs = {f"{name}/{seed}": config.replace(seed=seed) for name, config in configs.items()
+                   for seed in range(args.rounding_seeds)}
     all_archs = archs(args.attention)
     results = {}
     for name in args.archs.split(","):
@@ -253,6 +273,8 @@ def main() -> None:
         results[name] = measure(arch, configs, args.warmup, args.outliers, args.seed)
         print(f"{name}: " + "  ".join(f"{m} {r['cosine']:.4f}" for m, r in results[name].items()), flush=True)
     print(table(results))
+    if args.rounding_seeds > 1:
+        print(noise_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "args": vars(args), "hidden": HIDDEN, "layers": LAYERS,
