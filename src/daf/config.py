@@ -39,7 +39,7 @@ from typing import Any
 from daf.allocator.libraries import ALLOCATORS
 from daf.format import ALLOWED_BITS
 
-__all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "parse_size", "register_config_type",
+__all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "parse_size", "register_config_type",
            "ALLOWED_BITS", "CONFIG_VERSION"]
 
 # 2: policy and codec are typed configs ({"kind": ..., fields}), replan_every moved into Adaptive,
@@ -197,11 +197,42 @@ class Division:
     """Codec: DIVISION dual precision for convolutional feature maps, MinMax for everything else."""
 
 
+@_immutable
+@dataclass(frozen=True)
+class Outliers:
+    """Codec for transformer activations [..., channels] (docs/transformers.md): the residual stream's
+    outlier channels kept exact, the other channels coded per group along ``axis``; MinMax for the rest.
+
+    Attributes:
+        fraction: share of the channels (the largest by max |x|) kept exact, in [0, 0.5]; at least one
+            when positive.
+        axis: "channel" (a group runs along the tokens of a channel, each token scaled by its largest
+            inlier first; measured best on SmolLM2 and MiniLM) or "token" (along the channels of a token,
+            as MinMax).
+        derivatives: store the input of GELU / SiLU as a 2-bit code of its derivative (Approx-BP), which
+            is all their backward reads.
+    """
+
+    fraction: float = 0.01
+    axis: str = "channel"
+    derivatives: bool = False
+
+    def __post_init__(self) -> None:
+        _check_number("Outliers.fraction", self.fraction, 0, 0.5)
+        object.__setattr__(self, "fraction", float(self.fraction))
+        if self.axis not in _AXES:
+            raise ValueError(f"Outliers.axis must be one of {_AXES}, got {self.axis!r}")
+        _check_bool("Outliers.derivatives", self.derivatives)
+
+
+_AXES = ("channel", "token")
+
+
 # The config types each typed field of Config takes, by their serialized "kind". Filled at import:
 # the built-ins here, others by ``register_config_type`` (``daf.policy.register_policy`` calls it).
 _KINDS: dict[str, dict[str, type]] = {
     "policy": {"uniform": Uniform, "adaptive": Adaptive},
-    "codec": {"minmax": MinMax, "division": Division},
+    "codec": {"minmax": MinMax, "division": Division, "outliers": Outliers},
 }
 
 
@@ -313,8 +344,8 @@ class Config:
         seed: seed of the counter-based generator used by stochastic rounding.
         policy: ``Uniform()`` (every site gets ``bits``) or ``Adaptive(average=...)`` (bits per site
             from importance), or a type registered with ``daf.policy.register_policy``.
-        codec: ``MinMax()`` (per-group min/scale) or ``Division()`` (DIVISION dual precision for 4-D
-            activations).
+        codec: ``MinMax()`` (per-group min/scale), ``Division()`` (DIVISION dual precision for 4-D
+            activations) or ``Outliers()`` (outlier channels exact, for transformers).
         backend: "auto" (native kernels when they build, else reference), "native" or "reference".
         budget: memory budget for stored activations, bytes or a string like "512MiB"; None for no limit.
         min_bits: the fewest bits demotion may go down to under a budget. 2 by default: demoting to
@@ -339,7 +370,7 @@ class Config:
     min_numel: int = 4096
     seed: int = 0
     policy: Uniform | Adaptive = Uniform()
-    codec: MinMax | Division = MinMax()
+    codec: MinMax | Division | Outliers = MinMax()
     backend: str = "auto"
     budget: int | str | None = None
     min_bits: int = 2

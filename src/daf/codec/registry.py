@@ -1,7 +1,7 @@
 """Every stored form of one session behind one object: encoders by name, decoders by packed type.
 
 Names are what the router's ``Encoding.codec`` says: ``"codes"`` (the configured codes codec,
-MinMax or DIVISION), ``"mask"`` (two-valued tensors, exact), ``"relu_mask"`` (ReLU's own save).
+MinMax, DIVISION or Outliers), ``"mask"`` (two-valued tensors, exact), ``"relu_mask"`` (ReLU's own save).
 Which codes codec a ``Config.codec`` means is a function registered for its type
 (``register_codes_codec``), as torchao registers a handler per config type.
 """
@@ -14,11 +14,13 @@ from typing import Any
 import torch
 
 from daf.codec.backends import Backend, select_backend
+from daf.codec.channel import ChannelCodec, ChannelPacked
+from daf.codec.derivative import DerivativePacked
 from daf.codec.division import DivisionCodec, DivisionPacked
 from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec, ReluMaskPacked
 from daf.codec.minmax import MinMaxCodec
 from daf.codec.spec import Codec, Spec
-from daf.config import Config, Division, MinMax, register_config_type
+from daf.config import Config, Division, MinMax, Outliers, register_config_type
 from daf.format import Packed
 
 __all__ = ["Codecs", "register_codes_codec", "codes_codec"]
@@ -45,6 +47,11 @@ def _division(config: Division, minmax: MinMaxCodec) -> DivisionCodec:
     return DivisionCodec(minmax)
 
 
+@register_codes_codec(Outliers)
+def _outliers(config: Outliers, minmax: MinMaxCodec) -> ChannelCodec:
+    return ChannelCodec(minmax, config)
+
+
 def codes_codec(config: Config, backend: Backend | None = None) -> Any:
     """The codes codec ``config.codec`` asks for, on ``backend`` (``select_backend(config.backend)``)."""
     minmax = MinMaxCodec(config, backend if backend is not None else select_backend(config.backend))
@@ -65,10 +72,11 @@ class Codecs:
         self.backend = backend if backend is not None else select_backend(config.backend)
         self.codes = codes_codec(config, self.backend)
         self._by_name: dict[str, Codec] = {"codes": self.codes, "mask": MaskCodec(), "relu_mask": ReluMaskCodec()}
-        # most derived first: a DivisionPacked and a MaskPacked are also Packed
+        # most derived first: DivisionPacked, ChannelPacked, DerivativePacked and MaskPacked are also Packed
         self._decoders: list[tuple[type, Codec]] = [(ReluMaskPacked, self._by_name["relu_mask"]),
                                                     (MaskPacked, self._by_name["mask"]),
-                                                    (DivisionPacked, self.codes), (Packed, self.codes)]
+                                                    (DivisionPacked, self.codes), (ChannelPacked, self.codes),
+                                                    (DerivativePacked, self.codes), (Packed, self.codes)]
 
     @property
     def name(self) -> str:
@@ -85,6 +93,12 @@ class Codecs:
 
     def encode(self, name: str, x: torch.Tensor, spec: Spec) -> Packed:
         return self._by_name[name].encode(x, spec)
+
+    def consumer_only(self, name: str, x: torch.Tensor, spec: Spec) -> bool:
+        """Whether the record ``encode(name, x, spec)`` makes may be read by ``spec.consumer`` only (a
+        codec says so with a ``consumer_only(x, spec)`` method): the session then shares it with no other save."""
+        check = getattr(self._by_name[name], "consumer_only", None)
+        return bool(check is not None and check(x, spec))
 
     def decode(self, packed: Packed) -> torch.Tensor:
         for packed_type, codec in self._decoders:

@@ -197,7 +197,7 @@ class Session:
             stored = packed.nbytes
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
-        else:
+        elif not self.codecs.consumer_only(encoding.codec, data, spec):  # GELU's derivative codes are GELU's only
             self._shared.put(tensor, saved)
         if codes:
             self.policy.watch(site, data, encoding.bits, tensor.numel() if mask is not None else None)

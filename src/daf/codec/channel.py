@@ -1,0 +1,219 @@
+"""Outlier channels exact, the rest in format-1 codes: the residual stream of a trained transformer.
+
+A trained LM's hidden states have a few channels (dimensions) hundreds of times larger than the
+others; a group of 256 consecutive elements of a token then spans an outlier's range, and 2-bit
+codes round every other element of the group to its minimum. For a save ``x`` [..., C] (2-D or 3-D,
+``C >= 16``) seen as ``m`` [R, C] (R = rows = tokens)::
+
+    outliers = the k = ceil(fraction * C) channels of largest max |m|      int64 [k], ascending
+    exact    = m[:, outliers]                                              x.dtype [R, k]
+    axis "channel" (default): s = max |m[r, inliers]| per row (float32 [R]); format-1 codes of
+                    (m[:, inliers] / s).T, [C - k, R]: a group runs along the tokens of a channel
+                    (its size the largest power of two <= G dividing R), each token at its own scale
+    axis "token":   format-1 codes of m with each outlier column replaced by its nearest inlier
+                    column, [R, C]: a group runs along the channels of a token, aligned as in MinMax
+
+The codes are an ordinary format-1 ``Packed`` of that matrix (reference or native kernels,
+whatever the session's backend is), so the page pool stores and spills it like any record;
+``exact``, ``outliers`` and ``s`` ride in the record's header (side bytes). Cost per element:
+``bits + 32 / G`` for the codes plus ``k * dtype_bits / C`` (+ ``32 / C`` for ``s``); with 1% of 576
+channels in float32, 0.39 bit. Other saves (1-D; 4-D attention maps and NCHW feature maps; fewer than
+16 channels) use MinMax unchanged. Why per channel with token scales: docs/transformers.md, section 2.
+The packed form is format 1's ``Packed`` plus these fields: docs/format.md, "Outlier channels".
+
+>>> import daf
+>>> codec = ChannelCodec(MinMaxCodec(daf.Config(backend="reference")), daf.config.Outliers(fraction=0.05))
+>>> x = torch.randn(64, 40); x[:, 7] *= 100
+>>> p = codec.encode(x, Spec(2, seed=0))
+>>> 7 in p.outlier_index.tolist(), torch.equal(codec.decode(p)[:, 7], x[:, 7])
+(True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from daf.codec.derivative import DerivativeCodec, DerivativePacked
+from daf.codec.minmax import MinMaxCodec, encode
+from daf.codec.spec import Spec
+from daf.config import Outliers
+from daf.format import Packed
+
+__all__ = ["ChannelCodec", "ChannelPacked", "outlier_channels", "split_channels", "join_channels", "MIN_CHANNELS"]
+
+MIN_CHANNELS = 16
+CHANNELS_LAST_CONSUMERS = frozenset({"layer_norm", "linear"})
+# Groups along tokens shorter than this cost more metadata than they save in range (32/16 = 2 bits each).
+_MIN_TOKEN_GROUP = 16
+
+
+@dataclass
+class ChannelPacked(Packed):
+    """Format-1 record of the coded matrix (``shape`` [R, C], or [C - k, R] for axis "channel")
+    plus what restores ``x``: ``full_shape``, ``axis``, ``outlier_index`` int64 [k],
+    ``outlier_values`` x.dtype [R, k] and, for axis "channel", ``row_scale`` float32 [R]."""
+
+    full_shape: tuple[int, ...] = ()
+    axis: str = "channel"
+    outlier_index: torch.Tensor | None = None
+    outlier_values: torch.Tensor | None = None
+    row_scale: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        side = 0 if self.outlier_index is None else self.outlier_index.nbytes + self.outlier_values.nbytes
+        return super().nbytes + side + (0 if self.row_scale is None else self.row_scale.nbytes)
+
+    @classmethod
+    def of(cls, coded: Packed, full_shape: tuple[int, ...], axis: str, index: torch.Tensor,
+           values: torch.Tensor, row_scale: torch.Tensor | None) -> "ChannelPacked":
+        return cls(**{f.name: getattr(coded, f.name) for f in dataclasses.fields(Packed)},
+                   full_shape=full_shape, axis=axis, outlier_index=index, outlier_values=values,
+                   row_scale=row_scale)
+
+    def codes(self) -> Packed:
+        """The format-1 record of the coded matrix alone."""
+        return Packed(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Packed)})
+
+
+def applies(x: torch.Tensor, consumer: str | None = None) -> bool:
+    """Whether ``x`` is a save the codec splits: [tokens, channels] or [batch, tokens, channels]; 4-D only
+    when a LayerNorm or a Linear reads it (a channels-last map [N, H, W, C]), since the last dimension
+    of other 4-D saves (attention maps [B, heads, T, T], feature maps [N, C, H, W]) is no channel."""
+    dims = (2, 3, 4) if consumer in CHANNELS_LAST_CONSUMERS else (2, 3)
+    return x.dim() in dims and x.shape[-1] >= MIN_CHANNELS and x.numel() // x.shape[-1] >= 2
+
+
+def outlier_channels(m: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` channels (columns) of ``m`` [R, C] with the largest max |m|, ascending. O(R * C).
+
+    >>> outlier_channels(torch.tensor([[1.0, -9.0, 2.0], [0.0, 1.0, 3.0]]), 1).tolist()
+    [1]
+    """
+    if count == 0:
+        return torch.empty(0, dtype=torch.int64, device=m.device)
+    peak = m.abs().amax(dim=0).float().nan_to_num(posinf=float("inf"), nan=float("inf"))
+    return torch.topk(peak, count, sorted=False).indices.sort().values
+
+
+def _inlier_channels(index: torch.Tensor, channels: int) -> torch.Tensor:
+    keep = torch.ones(channels, dtype=torch.bool, device=index.device)
+    keep[index] = False
+    return keep.nonzero().flatten()
+
+
+def _stand_ins(index: torch.Tensor, channels: int) -> torch.Tensor:
+    """For each outlier channel, the nearest inlier channel (left first): its values stand in for the
+    outlier's in the codes, so that the outlier widens no group's range. O(C)."""
+    inliers = _inlier_channels(index, channels)
+    if inliers.numel() == 0:
+        return index
+    position = torch.searchsorted(inliers, index).clamp(max=inliers.numel() - 1)
+    left = inliers[(position - 1).clamp(min=0)]
+    right = inliers[position]
+    return torch.where((index - left).abs() <= (right - index).abs(), left, right)
+
+
+def split_channels(x: torch.Tensor, count: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor | None]:
+    """(outlier index int64 [k], outlier values x.dtype [R, k], the matrix to code (contiguous), row scales).
+
+    Axis "token": [R, C] in x.dtype, the outlier columns replaced by their nearest inlier column, so that
+    groups stay aligned with tokens as in MinMax; no row scales. Axis "channel": the inlier columns,
+    each row divided by its largest |inlier| (float32 [R], 1 for rows of zeros), transposed: float32
+    [C - k, R]. The row scales keep a token far larger than the others (an attention sink, ViT's class
+    token) from setting the range of every channel's group. O(numel).
+    """
+    m = x.detach().reshape(-1, x.shape[-1])
+    index = outlier_channels(m, count)
+    values = m.index_select(1, index)
+    if axis == "channel":
+        inliers = m.index_select(1, _inlier_channels(index, m.shape[1])).float()
+        scale = inliers.abs().amax(dim=1) if inliers.shape[1] else torch.ones(m.shape[0], device=m.device)
+        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+        return index, values, (inliers / scale[:, None]).t().contiguous(), scale
+    coded = m.clone(memory_format=torch.contiguous_format)
+    coded[:, index] = m.index_select(1, _stand_ins(index, m.shape[1]))
+    return index, values, coded, None
+
+
+def join_channels(coded: torch.Tensor, index: torch.Tensor, values: torch.Tensor, full_shape: tuple[int, ...],
+                  axis: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of ``split_channels``: a contiguous tensor of ``full_shape`` and ``values.dtype``. O(numel)."""
+    channels = full_shape[-1]
+    if axis == "channel":
+        out = torch.empty(coded.shape[1], channels, dtype=values.dtype, device=coded.device)
+        out[:, _inlier_channels(index, channels)] = (coded.t() * scale[:, None]).to(values.dtype)
+    else:
+        out = coded.reshape(-1, channels)
+    out[:, index] = values
+    return out.view(full_shape)
+
+
+def _token_group(rows: int, group_size: int) -> int:
+    """Group size along the tokens of a channel: ``group_size`` if it divides ``rows``, else the largest
+    power of two that does (so that no group mixes two channels), unless that is below 16."""
+    if rows % group_size == 0:
+        return group_size
+    divisor = rows & -rows
+    return divisor if divisor >= _MIN_TOKEN_GROUP else group_size
+
+
+class ChannelCodec:
+    """Outlier channels exact, the rest coded along ``config.axis``; ``minmax`` (whose backend it shares)
+    for saves it does not split; GELU/SiLU inputs as derivative codes when ``config.derivatives``."""
+
+    packed_type = ChannelPacked
+
+    def __init__(self, minmax: MinMaxCodec, config: Outliers) -> None:
+        self.minmax = minmax
+        self.config = config
+        self.derivative = DerivativeCodec(minmax.backend, minmax.group_size)
+
+    @property
+    def name(self) -> str:
+        return f"outliers/{self.minmax.backend.name}"
+
+    def outlier_count(self, channels: int) -> int:
+        fraction = self.config.fraction
+        return 0 if fraction == 0 else max(1, min(channels - 1, int(-(-fraction * channels // 1))))
+
+    def consumer_only(self, x: torch.Tensor, spec: Spec) -> bool:
+        """Whether what ``encode(x, spec)`` stores is for ``spec.consumer``'s backward only: derivative
+        codes decode to inputs with the coded derivative, not to ``x``, so no other op may share them."""
+        return self.config.derivatives and self.derivative.takes(x, spec)
+
+    def encode(self, x: torch.Tensor, spec: Spec) -> Packed:
+        if self.consumer_only(x, spec):
+            return self.derivative.encode(x, spec)
+        if not applies(x, spec.consumer):
+            return self.minmax.encode(x, spec)
+        axis = self.config.axis
+        index, values, coded, scale = split_channels(x, self.outlier_count(x.shape[-1]), axis)
+        group = self.minmax.group_size
+        if axis == "channel":
+            group = _token_group(coded.shape[1], group)
+        packed = encode(coded, spec.bits, group, self.minmax.rounding, spec.seed, self.minmax.backend)
+        return ChannelPacked.of(packed, tuple(x.shape), axis, index, values, scale)
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        if isinstance(packed, DerivativePacked):
+            return self.derivative.decode(packed)
+        if isinstance(packed, ChannelPacked):
+            return join_channels(self.minmax.decode(packed.codes()), packed.outlier_index, packed.outlier_values,
+                                 packed.full_shape, packed.axis, packed.row_scale)
+        return self.minmax.decode(packed)
+
+    def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
+        """The codes at fewer ``bits``; the outlier channels stay exact; derivative codes stay as they are."""
+        if isinstance(packed, DerivativePacked):
+            return packed
+        if not isinstance(packed, ChannelPacked):
+            return self.minmax.reencode(packed, bits, seed)
+        coded = encode(self.minmax.decode(packed.codes()), bits, packed.group_size, self.minmax.rounding, seed,
+                       self.minmax.backend)
+        return ChannelPacked.of(coded, packed.full_shape, packed.axis, packed.outlier_index, packed.outlier_values,
+                                packed.row_scale)

@@ -1,0 +1,98 @@
+"""GELU/SiLU inputs as 2-bit derivative codes: representatives, exact codes, backward through DAF."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import daf
+from daf.codec import Codecs, DerivativePacked, Spec
+from daf.codec.backends import REFERENCE
+from daf.codec.derivative import FUNCTIONS, LEVELS, REPRESENTATIVES, DerivativeCodec, derivative, level_codes
+from daf.config import Outliers
+
+_TORCH = {"gelu": F.gelu, "silu": F.silu}
+
+
+def _autograd_derivative(function, x):
+    x = x.detach().clone().requires_grad_(True)
+    _TORCH[function](x).sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_representatives_have_the_level_as_derivative(function):
+    """What GeluBackward0 / SiluBackward0 compute at a representative is the level, in float32."""
+    got = _autograd_derivative(function, torch.tensor(REPRESENTATIVES[function]))
+    assert torch.allclose(got, torch.tensor(LEVELS[function]), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_closed_form_matches_autograd(function):
+    x = torch.linspace(-8, 8, 4001)
+    assert torch.allclose(derivative(function, x), _autograd_derivative(function, x), atol=1e-6)
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 3000), function=st.sampled_from(FUNCTIONS), scale=st.floats(0.1, 10),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), transpose=st.booleans(),
+       group=st.sampled_from([16, 256]))
+def test_round_trip_is_the_representative_of_the_nearest_level(n, function, scale, dtype, transpose, group):
+    x = (torch.randn(n, 3) * scale).to(dtype)
+    x = x.t() if transpose else x
+    codec = DerivativeCodec(REFERENCE, group)
+    p = codec.encode(x, Spec(2, 0, function))
+    y = codec.decode(p)
+    assert y.shape == x.shape and y.dtype == x.dtype and (n == 1 or y.stride() == x.stride())
+    expected = torch.tensor(REPRESENTATIVES[function])[level_codes(function, x.contiguous()).long()].to(dtype)
+    assert torch.equal(y, expected)
+    assert p.nbytes == -(-x.numel() // group) * (4 + group // 4)
+
+
+def test_native_and_reference_agree():
+    codecs = Codecs(daf.Config(codec=Outliers(derivatives=True), backend="auto"))
+    if codecs.backend.name == "reference":
+        pytest.skip("native kernels unavailable: " + daf.native_status())
+    x = torch.randn(37, 300) * 3
+    native, reference = DerivativeCodec(codecs.backend), DerivativeCodec(REFERENCE)
+    a, b = native.encode(x, Spec(2, 0, "gelu")), reference.encode(x, Spec(2, 0, "gelu"))
+    assert torch.equal(a.payload, b.payload) and torch.equal(native.decode(a), reference.decode(b))
+
+
+def test_only_gelu_and_silu_saves_below_8_bits():
+    codecs = Codecs(daf.Config(codec=Outliers(derivatives=True), backend="reference"))
+    x = torch.randn(64, 64)
+    assert isinstance(codecs.encode("codes", x, Spec(2, 0, "gelu")), DerivativePacked)
+    assert isinstance(codecs.encode("codes", x, Spec(4, 0, "silu")), DerivativePacked)
+    assert not isinstance(codecs.encode("codes", x, Spec(8, 0, "gelu")), DerivativePacked)
+    assert not isinstance(codecs.encode("codes", x, Spec(2, 0, "linear")), DerivativePacked)
+    off = Codecs(daf.Config(codec=Outliers(), backend="reference"))
+    assert not isinstance(off.encode("codes", x, Spec(2, 0, "gelu")), DerivativePacked)
+    p = codecs.encode("codes", x, Spec(2, 0, "gelu"))
+    assert codecs.reencode(p, 1, 0).bits == 2
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_backward_through_daf_uses_the_levels(function):
+    """The input gradient of f(x) is exactly grad * level[code(x)]."""
+    torch.manual_seed(0)
+    x = (torch.randn(64, 128) * 2).requires_grad_(True)
+    with daf.compress(codec=Outliers(derivatives=True), bits=2, backend="reference", min_numel=1) as session:
+        y = _TORCH[function](x * 1.0)
+    y.backward(torch.ones_like(y))
+    levels = torch.tensor(LEVELS[function])[level_codes(function, x).long()]
+    assert torch.allclose(x.grad, levels, atol=2e-6, rtol=0)
+    assert any(r.bits == 2 and r.kind == "compressed" for r in daf.report(session).rows)
+
+
+def test_derivative_codes_beat_2_bit_codes_of_the_input():
+    """For the input gradient of GELU, four derivative levels are closer than 2-bit codes of x."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 1024) * 2
+    exact = derivative("gelu", x)
+    codec = DerivativeCodec(REFERENCE)
+    coded = derivative("gelu", codec.decode(codec.encode(x, Spec(2, 0, "gelu"))))
+    minmax = Codecs(daf.Config(backend="reference"))
+    plain = derivative("gelu", minmax.decode(minmax.encode("codes", x, Spec(2, 1))))
+    assert (coded - exact).square().mean() < (plain - exact).square().mean() / 2
