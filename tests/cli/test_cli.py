@@ -283,3 +283,14 @@ def test_memory_plot_legend_gives_the_tables_step_time(tmp_path, monkeypatch):
     plot_memory([run], tmp_path / "m.png", "title")
     assert "DAF 2-bit: median step 320 ms" in legends
     assert format_table([run]).splitlines()[2].rstrip().endswith(" 320")
+
+
+@pytest.mark.parametrize("codec, kind, derivatives", [("outliers", "outliers", False),
+                                                      ("outliers-derivatives", "outliers", True),
+                                                      ("division", "division", None)])
+def test_codec_flag_sets_the_codes_codec(tmp_path, codec, kind, derivatives):
+    path = tmp_path / "run.json"
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, "--codec", codec, "--no-plots", "--allocator", "system",
+                 "--json", str(path)]) == 0
+    config = json.loads(path.read_text())["runs"]["daf"]["config"]
+    assert config["codec"]["kind"] == kind and config["codec"].get("derivatives") == derivatives

@@ -25,11 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
-from daf.config import ALLOWED_BITS, Adaptive, Config
+from daf.config import ALLOWED_BITS, Adaptive, Config, Division, MinMax, Outliers
 
 __all__ = ["main", "entry", "build_parser"]
 
-_DAF_FLAGS = ("bits", "policy", "average", "budget", "group_size", "backend")
+_DAF_FLAGS = ("bits", "policy", "average", "codec", "budget", "group_size", "backend")
+# --codec NAME: the codes codec (docs/transformers.md for outliers; docs/policy.md for division)
+_CODECS = {"minmax": lambda: MinMax(), "division": lambda: Division(), "outliers": lambda: Outliers(),
+           "outliers-derivatives": lambda: Outliers(derivatives=True)}
 EXIT_INTERRUPTED = 130
 EXIT_FAILED = 1
 
@@ -106,6 +109,10 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
                                "importance, at --average bits per element)")
     compress.add_argument("--average", type=_average,
                           help="the adaptive policy's average bits per element, in [1, 8] (2.0)")
+    compress.add_argument("--codec", choices=tuple(_CODECS),
+                          help="codes codec: minmax (default), division (DIVISION for 4-D maps), outliers (outlier "
+                               "channels exact, per-channel groups: transformers), outliers-derivatives (also "
+                               "GELU/SiLU inputs as 2-bit derivative codes)")
     compress.add_argument("--budget", help="memory budget of stored activations, e.g. 512MiB")
     compress.add_argument("--group-size", type=int, dest="group_size", help="elements per min/scale group (256)")
     compress.add_argument("--backend", help="auto, native or reference")
@@ -199,6 +206,8 @@ def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> di
                      "(the uniform policy's width is --bits)")
     if adaptive:
         fields["policy"] = Adaptive() if average is None else Adaptive(average=average)
+    if "codec" in fields:
+        fields["codec"] = _CODECS[fields["codec"]]()
     return fields
 
 

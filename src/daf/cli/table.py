@@ -83,6 +83,8 @@ def config_label(config: dict[str, Any]) -> str:
         if kind not in ("uniform", None):
             label += f" {kind}"
     codec_kind = codec.get("kind") if isinstance(codec, dict) else codec
+    if codec_kind == "outliers" and isinstance(codec, dict) and codec.get("derivatives"):
+        codec_kind = "outliers+derivatives"
     return label if codec_kind in ("minmax", None) else f"{label} {codec_kind}"
 
 
