@@ -69,17 +69,23 @@ def _check_version(tensor: torch.Tensor, version: int, site: str) -> None:
 
 
 class _Source:
-    """A weak reference to the tensor a record was made from, and its version then. The record holds the
-    values of pack time, but a program that modifies the tensor in place before backward would raise
-    without DAF: it raises with DAF too, rather than train differently under DAF and without it."""
+    """Weak references to the tensor a record was made from (and to its base, when it is a view: they share
+    one version counter), and its version then. The record holds the values of pack time, but a program
+    that modifies the tensor in place before backward would raise without DAF: it raises with DAF too,
+    rather than train differently under DAF and without it. Through the base, a change is seen after the
+    view itself is gone (``h[:, :4].relu_()`` saves the slice; ``h.add_(1)`` later)."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "base", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor, self.version = weakref.ref(tensor), tensor._version
+        base = tensor._base
+        self.base = None if base is None else weakref.ref(base)
 
     def check(self, site: str) -> None:
         tensor = self.tensor()
+        if tensor is None and self.base is not None:
+            tensor = self.base()
         if tensor is not None:
             _check_version(tensor, self.version, site)
 
