@@ -43,7 +43,8 @@ from daf.codec.spec import Spec
 from daf.config import Outliers
 from daf.format import Packed
 
-__all__ = ["ChannelCodec", "ChannelPacked", "outlier_channels", "split_channels", "join_channels", "MIN_CHANNELS"]
+__all__ = ["ChannelCodec", "ChannelPacked", "applies", "outlier_channels", "split_channels", "join_channels",
+           "MIN_CHANNELS", "CHANNELS_LAST_CONSUMERS"]
 
 MIN_CHANNELS = 16
 CHANNELS_LAST_CONSUMERS = frozenset({"layer_norm", "linear"})
