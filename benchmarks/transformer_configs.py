@@ -1,8 +1,8 @@
 """The configs compared by ``transformer_archs.py`` and ``transformer_gradients.py``, by name.
 
 ``outliers-*``: ``daf.config.Outliers()`` (1% of channels exact, axis "channel"); ``-token``: axis
-"token"; ``-derivatives``: GELU/SiLU inputs as 2-bit derivative codes (at 2 bits only); ``-f0.005`` / ``-f0.03``: the
-share of channels kept exact.
+"token"; ``-derivatives``: GELU/SiLU inputs as 2-bit derivative codes (at 2 bits only);
+``-f0.005`` / ``-f0.03``: the share of channels kept exact.
 """
 
 from __future__ import annotations
