@@ -1,4 +1,4 @@
-"""Gradient cosine to fp32 and stored bytes of DAF on six HF architectures (small, random init) and two workloads.
+"""Gradient cosine to fp32 and stored bytes of DAF on six HF architectures (random init) and two workloads.
 
 GPT-2, BERT, T5, Llama, ViT and ConvNeXt are built from their ``transformers`` configs (no download),
 seeded, in training mode without dropout; ``smollm-lora`` and ``minilm-tweets`` are the project's
