@@ -3,8 +3,9 @@
 GPT-2, BERT, T5, Llama, ViT and ConvNeXt are built from their ``transformers`` configs (no download),
 seeded, in training mode without dropout; ``smollm-lora`` and ``minilm-tweets`` are the project's
 pretrained workloads (LoRA), on their first batch, dropout masks re-seeded for every method. Each
-method's copy of a model computes one gradient on the same batch and is compared with the fp32 gradient: cosine and relative error over all parameter
-gradients concatenated, bytes from ``daf.report``. The adaptive policy plans from watched forwards:
+method's copy of a model computes one gradient on the same batch and is compared with the fp32
+gradient: cosine and relative error over all parameter gradients concatenated, bytes from
+``daf.report``. The adaptive policy plans from watched forwards:
 it runs ``--warmup`` forward/backward passes on the same batch first (``replan_every`` = warmup, so the
 plan in force at the measured step is made from all of them).
 
