@@ -1,9 +1,11 @@
-"""Gradient cosine to fp32 and stored bytes of DAF on six HF architectures, small, at random init.
+"""Gradient cosine to fp32 and stored bytes of DAF on six HF architectures (random init) and two workloads.
 
 GPT-2, BERT, T5, Llama, ViT and ConvNeXt are built from their ``transformers`` configs (no download),
-seeded, in training mode without dropout; each method's copy of a model computes one gradient on the
-same batch and is compared with the fp32 gradient: cosine and relative error over all parameter
-gradients concatenated, bytes from ``daf.report``. The adaptive policy plans from watched forwards:
+seeded, in training mode without dropout; ``smollm-lora`` and ``minilm-tweets`` are the project's
+pretrained workloads (LoRA), on their first batch, dropout masks re-seeded for every method. Each
+method's copy of a model computes one gradient on the same batch and is compared with the fp32
+gradient: cosine and relative error over all parameter gradients concatenated, bytes from
+``daf.report``. The adaptive policy plans from watched forwards:
 it runs ``--warmup`` forward/backward passes on the same batch first (``replan_every`` = warmup, so the
 plan in force at the measured step is made from all of them).
 
@@ -12,8 +14,9 @@ plan in force at the measured step is made from all of them).
     python benchmarks/transformer_archs.py --archs llama,bert --methods uniform-2,outliers-2 --json out.json
 
 ``--sites``: every site at 8 bits except one kind at 2 (kinds: ``site_kinds.KINDS``), and the
-share of stored elements each kind holds. ``--outliers N``: the embedding output of N hidden
-channels is scaled by 30 (random init has no outlier dimensions; trained LMs do).
+elements each kind holds (JSON). ``--outliers N``: the embedding output of N hidden channels is
+scaled by 30 (random init has no outlier dimensions; trained LMs do). ``--rounding-seeds N``: each
+method under N values of ``Config.seed``. Results and reading: docs/transformers.md.
 """
 
 from __future__ import annotations

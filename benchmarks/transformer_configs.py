@@ -1,8 +1,8 @@
 """The configs compared by ``transformer_archs.py`` and ``transformer_gradients.py``, by name.
 
 ``outliers-*``: ``daf.config.Outliers()`` (1% of channels exact, axis "channel"); ``-token``: axis
-"token"; ``-derivatives``: GELU/SiLU inputs as 2-bit derivative codes; ``-f0.005`` / ``-f0.03``: the
-share of channels kept exact.
+"token"; ``-derivatives``: GELU/SiLU inputs as 2-bit derivative codes (at 2 bits only);
+``-f0.005`` / ``-f0.03``: the share of channels kept exact.
 """
 
 from __future__ import annotations
@@ -30,5 +30,4 @@ CONFIGS: dict[str, daf.Config] = {
     "outliers-derivatives-adaptive-2.0": daf.Config(policy=_ADAPTIVE, codec=Outliers(derivatives=True)),
     "outliers-4": daf.Config(bits=4, codec=Outliers()),
     "outliers-token-4": daf.Config(bits=4, codec=Outliers(axis="token")),
-    "outliers-derivatives-4": daf.Config(bits=4, codec=Outliers(derivatives=True)),
 }

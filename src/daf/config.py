@@ -39,14 +39,15 @@ from typing import Any
 from daf.allocator.libraries import ALLOCATORS
 from daf.format import ALLOWED_BITS
 
-__all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "parse_size", "register_config_type",
-           "ALLOWED_BITS", "CONFIG_VERSION"]
+__all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "parse_size",
+           "register_config_type", "ALLOWED_BITS", "CONFIG_VERSION"]
 
 # 2: policy and codec are typed configs ({"kind": ..., fields}), replan_every moved into Adaptive,
 # bits is only the uniform width. Version-1 dicts are migrated by ``Config.from_dict``.
 CONFIG_VERSION = 2
 
 _ROUNDINGS = ("stochastic", "nearest")
+_AXES = ("channel", "token")  # of Outliers
 _BACKENDS = ("auto", "native", "reference")
 _ALLOCATORS = ("auto", "system", *ALLOCATORS)
 _SIZE_UNITS = {
@@ -223,9 +224,6 @@ class Outliers:
         if self.axis not in _AXES:
             raise ValueError(f"Outliers.axis must be one of {_AXES}, got {self.axis!r}")
         _check_bool("Outliers.derivatives", self.derivatives)
-
-
-_AXES = ("channel", "token")
 
 
 # The config types each typed field of Config takes, by their serialized "kind". Filled at import:

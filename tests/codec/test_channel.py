@@ -32,6 +32,12 @@ def test_split_join_is_exact(axis):
     assert torch.allclose(join_channels(coded, index, values, tuple(x.shape), axis, scale), x, rtol=1e-6, atol=0)
 
 
+def test_outlier_count_is_an_exact_ceiling():
+    codec = _codec(fraction=0.1)
+    assert [codec.outlier_count(c) for c in (16, 30, 31, 700)] == [2, 3, 4, 70]
+    assert _codec(fraction=0.5).outlier_count(2) == 1 and _codec(fraction=0.0).outlier_count(64) == 0
+
+
 def test_outliers_are_the_largest_channels():
     x = _with_outliers((50, 64), channels=(5, 60))
     assert outlier_channels(x, 2).tolist() == [5, 60]
@@ -54,7 +60,7 @@ def test_round_trip(rows, channels, batch, bits, axis, fraction, dtype, rounding
     y = codec.decode(p)
     assert y.shape == x.shape and y.dtype == x.dtype
     k = p.outlier_index.numel()
-    assert k == (0 if fraction == 0 else max(1, -(-int(fraction * 1000) * channels // 1000)))
+    assert k == (0 if fraction == 0 else max(1, -(-round(fraction * 1000) * channels // 1000)))
     m, n = x.reshape(-1, channels).float(), y.reshape(-1, channels).float()
     assert torch.equal(m[:, p.outlier_index], n[:, p.outlier_index])
     keep = torch.ones(channels, dtype=torch.bool)

@@ -32,6 +32,7 @@ The packed form is format 1's ``Packed`` plus these fields: docs/format.md, "Out
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,8 @@ from daf.codec.spec import Spec
 from daf.config import Outliers
 from daf.format import Packed
 
-__all__ = ["ChannelCodec", "ChannelPacked", "outlier_channels", "split_channels", "join_channels", "MIN_CHANNELS"]
+__all__ = ["ChannelCodec", "ChannelPacked", "applies", "outlier_channels", "split_channels", "join_channels",
+           "MIN_CHANNELS", "CHANNELS_LAST_CONSUMERS"]
 
 MIN_CHANNELS = 16
 CHANNELS_LAST_CONSUMERS = frozenset({"layer_norm", "linear"})
@@ -178,8 +180,10 @@ class ChannelCodec:
         return f"outliers/{self.minmax.backend.name}"
 
     def outlier_count(self, channels: int) -> int:
+        """ceil(fraction * channels) (rounded to 6 decimals first: 0.1 * 30 is 3.0000000000000004),
+        at least 1 when ``fraction`` > 0, at most ``channels - 1``."""
         fraction = self.config.fraction
-        return 0 if fraction == 0 else max(1, min(channels - 1, int(-(-fraction * channels // 1))))
+        return 0 if fraction == 0 else max(1, min(channels - 1, math.ceil(round(fraction * channels, 6))))
 
     def consumer_only(self, x: torch.Tensor, spec: Spec) -> bool:
         """Whether what ``encode(x, spec)`` stores is for ``spec.consumer``'s backward only: derivative
