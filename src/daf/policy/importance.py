@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from daf.format import flatten_memory_order
 from daf.tracing import OpCall, is_parameter
 
 __all__ = ["rounding_variance", "ImportanceEstimator", "SiteStats", "MATMUL_FUNCTIONS", "COMPOUNDING"]
@@ -65,25 +66,19 @@ def rounding_variance(x: torch.Tensor, group_size: int, choices: tuple[int, ...]
     >>> bool(v[0] > 8 * v[1])
     True
     """
-    flat = x.detach().reshape(-1)
-    groups = flat.numel() // group_size
-    if groups == 0:
-        sample = flat.to(torch.float64).view(1, -1)
-    else:
-        stride = max(1, groups // max_groups)
-        sample = flat[: groups * group_size].view(groups, group_size)[::stride][:max_groups].to(torch.float64)
+    sample = _group_sample(x, group_size, max_groups).to(torch.float64)
     low = sample.amin(dim=1, keepdim=True)
     span = sample.amax(dim=1, keepdim=True) - low
     finite = torch.isfinite(span).view(-1)
     sample, low, span = sample[finite], low[finite], span[finite]
+    out = torch.zeros(len(choices), dtype=torch.float64)
     if sample.numel() == 0:
-        return torch.zeros(len(choices), dtype=torch.float64), 0.0
-    # every width at once: [widths, groups, group_size]
-    levels = torch.tensor([(1 << b) - 1 for b in choices], dtype=torch.float64).view(-1, 1, 1)
-    step = span.unsqueeze(0) / levels
-    scaled = torch.where(step > 0, (sample - low).unsqueeze(0) / torch.where(step > 0, step, 1.0), 0.0)
-    frac = scaled - scaled.floor()
-    out = (step.square() * frac * (1 - frac)).mean(dim=(1, 2))
+        return out, 0.0
+    for k, bits in enumerate(choices):
+        step = span / ((1 << bits) - 1)
+        scaled = torch.where(step > 0, (sample - low) / torch.where(step > 0, step, 1.0), 0.0)
+        frac = scaled - scaled.floor()
+        out[k] = float((step.square() * frac * (1 - frac)).mean())
     return out, float(sample.var()) if sample.numel() > 1 else 0.0
 
 
@@ -127,6 +122,8 @@ class ImportanceEstimator:
         self._param_handles: dict[int, Any] = {}
         self._uses: list[tuple[str, str, dict[str, Any]]] = []  # (site, kind, measured figures) this step
         self._visited: set[Any] = set()  # autograd nodes walked this step looking for input leaves
+        # (site, sample of groups, density of the nonzeros or None, their Var or None) this step
+        self._samples: list[tuple[str, torch.Tensor, float | None, float | None]] = []
 
     # -- forward -----------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -137,26 +134,26 @@ class ImportanceEstimator:
         self._visited.clear()
 
     def observe_tensor(self, site: str, x: torch.Tensor, elements: int | None = None) -> None:
-        """Measure ``V(b)`` and ``Var(x)`` of a tensor stored at ``site``. O(sample).
+        """Take the sample of ``x`` stored at ``site`` whose ``V(b)`` and ``Var(x)`` ``fold`` measures. O(sample).
 
         ``elements``: when ``x`` holds only part of the activation (the nonzeros of a ReLU
         output, its zeros given exactly by the mask), the activation's element count. The
         others carry no error, so ``V(b)``, a mean over the activation, is scaled by
         ``x.numel() / elements``.
+
+        The sample (at most ``max_groups`` groups, a copy) waits for ``fold``, which measures every
+        site's in one batch: a few tensor ops per step instead of some forty per site.
         """
-        variance, data_var = rounding_variance(x, self.group_size, self.choices, self.max_groups)
-        if elements:
-            density = x.numel() / elements
-            variance = variance * density
-            sample = _strided_sample(x)
-            data_var = density * float(sample.square().mean()) - (density * float(sample.mean())) ** 2
         stats = self.sites.setdefault(site, SiteStats())
         stats.numel = x.numel()
         stats.elements = elements or x.numel()
         stats.dtype_bits = x.element_size() * 8
-        a = self.smoothing if stats.variance is not None else 0.0
-        stats.variance = variance if stats.variance is None else a * stats.variance + (1 - a) * variance
-        stats.data_var = a * stats.data_var + (1 - a) * data_var
+        density = data_var = None
+        if elements:
+            density = x.numel() / elements
+            sample = _strided_sample(x)
+            data_var = density * float(sample.square().mean()) - (density * float(sample.mean())) ** 2
+        self._samples.append((site, _group_sample(x, self.group_size, self.max_groups), density, data_var))
 
     def observe_call(self, call: OpCall) -> None:
         """Register the hooks that measure, in backward, how the op's use of its saved tensors matters."""
@@ -204,7 +201,9 @@ class ImportanceEstimator:
 
     # -- after backward ----------------------------------------------------------------------
     def fold(self) -> None:
-        """Turn the measurements of the last step into each site's smoothed ``weight``. O(uses * params)."""
+        """Turn the measurements of the last step into each site's smoothed ``V(b)``, ``Var(x)`` and
+        ``weight``. O(samples + uses * params)."""
+        self._fold_samples()
         # Noise power an error injected into an activation gradient picks up on its way back: each
         # upstream product with a parameter turns an error d in its output gradient into
         # ||d||**2 * fan * E[input**2] of weight-gradient error; in units of the gradient there.
@@ -249,6 +248,24 @@ class ImportanceEstimator:
             a = self.smoothing if stats.weight is not None else 0.0
             stats.weight = w if stats.weight is None else a * stats.weight + (1 - a) * w
             stats.steps += 1
+
+    def _fold_samples(self) -> None:
+        """Smooth in ``V(b)`` and ``Var(x)`` of this step's samples: all whole-group samples in one batch."""
+        samples, self._samples = self._samples, []
+        whole = [item for item in samples if item[1].shape[1] == self.group_size]
+        measured = dict(zip([item[0] for item in whole],
+                            _batched_rounding_variance([item[1] for item in whole], self.choices)))
+        for site, sample, density, nonzeros_var in samples:
+            if site in measured:
+                variance, data_var = measured[site]
+            else:  # fewer elements than a group
+                variance, data_var = rounding_variance(sample, sample.shape[1], self.choices)
+            if density is not None:
+                variance, data_var = variance * density, nonzeros_var
+            stats = self.sites[site]
+            a = self.smoothing if stats.variance is not None else 0.0
+            stats.variance = variance if stats.variance is None else a * stats.variance + (1 - a) * variance
+            stats.data_var = a * stats.data_var + (1 - a) * data_var
 
     def costs(self, site: str) -> dict[int, float] | None:
         """{bits: estimated added gradient variance} for a site with a measured weight, else None.
@@ -318,9 +335,58 @@ class ImportanceEstimator:
         self._param_handles[key] = p.register_hook(hook)
 
 
+def _group_sample(x: torch.Tensor, group_size: int, max_groups: int) -> torch.Tensor:
+    """A copy of at most ``max_groups`` evenly spaced whole groups of ``x`` (memory order, the codec's groups):
+    float [groups, group_size] (float64 for float64 data, else float32); all of it, [1, numel], when ``x``
+    is smaller than a group. O(max_groups * group_size) for dense ``x``."""
+    flat, _ = flatten_memory_order(x.detach())
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    groups = flat.numel() // group_size
+    if groups == 0:
+        return flat.view(1, -1).to(dtype, copy=True)
+    stride = max(1, groups // max_groups)
+    return flat[: groups * group_size].view(groups, group_size)[::stride][:max_groups].to(dtype, copy=True)
+
+
+def _batched_rounding_variance(samples: list[torch.Tensor], choices: tuple[int, ...]) -> list[tuple[torch.Tensor,
+                                                                                                   float]]:
+    """``rounding_variance`` of many samples of whole groups at once: per sample ``(V(b), Var)``.
+
+    samples: float [groups_i, group_size] each. The same figures as one call per sample (rows whose
+    range is not finite left out), in a fixed number of tensor ops. O(sum(groups_i) * group_size * widths).
+    """
+    if not samples:
+        return []
+    rows = torch.cat(samples).to(torch.float64)
+    site = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor([s.shape[0] for s in samples]))
+    n = rows.shape[1]
+    low = rows.amin(dim=1, keepdim=True)
+    span = rows.amax(dim=1, keepdim=True) - low
+    finite = torch.isfinite(span).view(-1)
+    rows = torch.where(finite.view(-1, 1), rows, 0.0)
+    low, span = torch.where(finite.view(-1, 1), low, 0.0), torch.where(finite.view(-1, 1), span, 0.0)
+    count = torch.zeros(len(samples), dtype=torch.float64).index_add_(0, site, finite.double())
+    per_row = torch.empty(len(choices), rows.shape[0], dtype=torch.float64)
+    for k, bits in enumerate(choices):
+        step = span / ((1 << bits) - 1)
+        scaled = torch.where(step > 0, (rows - low) / torch.where(step > 0, step, 1.0), 0.0)
+        frac = scaled - scaled.floor()
+        per_row[k] = (step.square() * frac * (1 - frac)).mean(dim=1)
+    variance = torch.zeros(len(choices), len(samples), dtype=torch.float64).index_add_(1, site, per_row)
+    variance = variance / count.clamp_min(1)
+    # Var over each sample's finite rows: within-row and between-row parts (all rows have n elements)
+    means, row_var = rows.mean(dim=1), rows.var(dim=1)
+    mean = torch.zeros(len(samples), dtype=torch.float64).index_add_(0, site, means) / count.clamp_min(1)
+    spread = torch.where(finite, (n - 1) * row_var + n * (means - mean[site]).square(), 0.0)
+    data_var = torch.zeros(len(samples), dtype=torch.float64).index_add_(0, site, spread) / (n * count - 1).clamp_min(1)
+    data_var = torch.where(n * count > 1, data_var, 0.0)
+    return [(variance[:, i].clone(), float(data_var[i])) for i in range(len(samples))]
+
+
 def _strided_sample(x: torch.Tensor, sample: int = 1 << 14) -> torch.Tensor:
-    """At most ``sample`` evenly strided elements of ``x``, as float. O(sample)."""
-    flat = x.detach().reshape(-1)
+    """At most ``sample`` evenly strided elements of ``x`` (in memory order), as float. O(sample) for dense
+    tensors (a transposed one is not copied)."""
+    flat, _ = flatten_memory_order(x.detach())
     return flat[::max(1, flat.numel() // sample)].float()
 
 
