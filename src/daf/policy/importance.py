@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from daf.format import flatten_memory_order
+from daf.policy.sampling import batched_rounding_variance, group_sample, rounding_variance, strided_sample
 from daf.tracing import OpCall, is_parameter
 
 __all__ = ["rounding_variance", "ImportanceEstimator", "SiteStats", "MATMUL_FUNCTIONS", "COMPOUNDING"]
@@ -52,34 +52,6 @@ COMPOUNDING = 100.0
 _SMALL_PARAM = 1 << 16  # parameters up to this many elements keep their last gradient (BatchNorm's gamma)
 MATMUL_FUNCTIONS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul", "__matmul__", "__rmatmul__",
                               "bmm", "mm", "addmm", "baddbmm"})
-
-
-def rounding_variance(x: torch.Tensor, group_size: int, choices: tuple[int, ...],
-                      max_groups: int = 64) -> tuple[torch.Tensor, float]:
-    """Mean per-element variance of stochastic rounding at each bit width, and ``Var(x)``, on a sample.
-
-    x: float [*] -> (float64 [len(choices)], float). Groups are the codec's (``group_size``
-    consecutive elements in memory order); at most ``max_groups`` evenly spaced whole groups
-    are read. O(max_groups * group_size * len(choices)).
-
-    >>> v, var = rounding_variance(torch.linspace(0, 1, 4096), 256, (1, 2))
-    >>> bool(v[0] > 8 * v[1])
-    True
-    """
-    sample = _group_sample(x, group_size, max_groups).to(torch.float64)
-    low = sample.amin(dim=1, keepdim=True)
-    span = sample.amax(dim=1, keepdim=True) - low
-    finite = torch.isfinite(span).view(-1)
-    sample, low, span = sample[finite], low[finite], span[finite]
-    out = torch.zeros(len(choices), dtype=torch.float64)
-    if sample.numel() == 0:
-        return out, 0.0
-    for k, bits in enumerate(choices):
-        step = span / ((1 << bits) - 1)
-        scaled = torch.where(step > 0, (sample - low) / torch.where(step > 0, step, 1.0), 0.0)
-        frac = scaled - scaled.floor()
-        out[k] = float((step.square() * frac * (1 - frac)).mean())
-    return out, float(sample.var()) if sample.numel() > 1 else 0.0
 
 
 @dataclass
@@ -151,9 +123,9 @@ class ImportanceEstimator:
         density = data_var = None
         if elements:
             density = x.numel() / elements
-            sample = _strided_sample(x)
+            sample = strided_sample(x)
             data_var = density * float(sample.square().mean()) - (density * float(sample.mean())) ** 2
-        self._samples.append((site, _group_sample(x, self.group_size, self.max_groups), density, data_var))
+        self._samples.append((site, group_sample(x, self.group_size, self.max_groups), density, data_var))
 
     def observe_call(self, call: OpCall) -> None:
         """Register the hooks that measure, in backward, how the op's use of its saved tensors matters."""
@@ -254,7 +226,7 @@ class ImportanceEstimator:
         samples, self._samples = self._samples, []
         whole = [item for item in samples if item[1].shape[1] == self.group_size]
         measured = dict(zip([item[0] for item in whole],
-                            _batched_rounding_variance([item[1] for item in whole], self.choices)))
+                            batched_rounding_variance([item[1] for item in whole], self.choices)))
         for site, sample, density, nonzeros_var in samples:
             if site in measured:
                 variance, data_var = measured[site]
@@ -335,69 +307,14 @@ class ImportanceEstimator:
         self._param_handles[key] = p.register_hook(hook)
 
 
-def _group_sample(x: torch.Tensor, group_size: int, max_groups: int) -> torch.Tensor:
-    """A copy of at most ``max_groups`` evenly spaced whole groups of ``x`` (memory order, the codec's groups):
-    float [groups, group_size] (float64 for float64 data, else float32); all of it, [1, numel], when ``x``
-    is smaller than a group. O(max_groups * group_size) for dense ``x``."""
-    flat, _ = flatten_memory_order(x.detach())
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    groups = flat.numel() // group_size
-    if groups == 0:
-        return flat.view(1, -1).to(dtype, copy=True)
-    stride = max(1, groups // max_groups)
-    return flat[: groups * group_size].view(groups, group_size)[::stride][:max_groups].to(dtype, copy=True)
-
-
-def _batched_rounding_variance(samples: list[torch.Tensor], choices: tuple[int, ...]) -> list[tuple[torch.Tensor,
-                                                                                                   float]]:
-    """``rounding_variance`` of many samples of whole groups at once: per sample ``(V(b), Var)``.
-
-    samples: float [groups_i, group_size] each. The same figures as one call per sample (rows whose
-    range is not finite left out), in a fixed number of tensor ops. O(sum(groups_i) * group_size * widths).
-    """
-    if not samples:
-        return []
-    rows = torch.cat(samples).to(torch.float64)
-    site = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor([s.shape[0] for s in samples]))
-    n = rows.shape[1]
-    low = rows.amin(dim=1, keepdim=True)
-    span = rows.amax(dim=1, keepdim=True) - low
-    finite = torch.isfinite(span).view(-1)
-    rows = torch.where(finite.view(-1, 1), rows, 0.0)
-    low, span = torch.where(finite.view(-1, 1), low, 0.0), torch.where(finite.view(-1, 1), span, 0.0)
-    count = torch.zeros(len(samples), dtype=torch.float64).index_add_(0, site, finite.double())
-    per_row = torch.empty(len(choices), rows.shape[0], dtype=torch.float64)
-    for k, bits in enumerate(choices):
-        step = span / ((1 << bits) - 1)
-        scaled = torch.where(step > 0, (rows - low) / torch.where(step > 0, step, 1.0), 0.0)
-        frac = scaled - scaled.floor()
-        per_row[k] = (step.square() * frac * (1 - frac)).mean(dim=1)
-    variance = torch.zeros(len(choices), len(samples), dtype=torch.float64).index_add_(1, site, per_row)
-    variance = variance / count.clamp_min(1)
-    # Var over each sample's finite rows: within-row and between-row parts (all rows have n elements)
-    means, row_var = rows.mean(dim=1), rows.var(dim=1)
-    mean = torch.zeros(len(samples), dtype=torch.float64).index_add_(0, site, means) / count.clamp_min(1)
-    spread = torch.where(finite, (n - 1) * row_var + n * (means - mean[site]).square(), 0.0)
-    data_var = torch.zeros(len(samples), dtype=torch.float64).index_add_(0, site, spread) / (n * count - 1).clamp_min(1)
-    data_var = torch.where(n * count > 1, data_var, 0.0)
-    return [(variance[:, i].clone(), float(data_var[i])) for i in range(len(samples))]
-
-
-def _strided_sample(x: torch.Tensor, sample: int = 1 << 14) -> torch.Tensor:
-    """At most ``sample`` evenly strided elements of ``x`` (in memory order), as float. O(sample) for dense
-    tensors (a transposed one is not copied)."""
-    flat, _ = flatten_memory_order(x.detach())
-    return flat[::max(1, flat.numel() // sample)].float()
-
-
 def _variance(x: torch.Tensor) -> float:
     """Variance of ``x`` over a strided sample. O(sample)."""
-    return float(_strided_sample(x).var()) if x.numel() > 1 else 0.0
+    return float(strided_sample(x).var()) if x.numel() > 1 else 0.0
 
 
 def _mean_square(x: torch.Tensor) -> float:
     """Mean of ``x**2`` over a strided sample. O(sample)."""
-    return float(_strided_sample(x).square().mean()) if x.numel() else 0.0
+    return float(strided_sample(x).square().mean()) if x.numel() else 0.0
 
 
 def _bn_weight(call: OpCall) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daf.policy.importance import _batched_rounding_variance, _group_sample, rounding_variance
+from daf.policy.sampling import batched_rounding_variance, group_sample, rounding_variance
 
 CHOICES = (1, 2, 4, 8)
 
@@ -22,7 +22,7 @@ def test_batched_rounding_variance_equals_one_sample_at_a_time(specs):
         if infinite:
             x[0, 0] = math.inf  # the first group's range is not finite: left out
         tensors.append(x.t() if transposed else x)
-    batched = _batched_rounding_variance([_group_sample(x, 256, 64) for x in tensors], CHOICES)
+    batched = batched_rounding_variance([group_sample(x, 256, 64) for x in tensors], CHOICES)
     for x, (variance, data_var) in zip(tensors, batched):
         expected, expected_var = rounding_variance(x, 256, CHOICES)
         assert torch.allclose(variance, expected, rtol=1e-9, atol=0), (variance, expected)
@@ -31,6 +31,6 @@ def test_batched_rounding_variance_equals_one_sample_at_a_time(specs):
 
 def test_a_transposed_tensor_is_sampled_in_memory_order_without_a_copy_of_it():
     x = torch.arange(4096, dtype=torch.float32).view(64, 64).t()  # memory order: 0, 1, 2, ...
-    sample = _group_sample(x, 256, 4)
+    sample = group_sample(x, 256, 4)
     assert torch.equal(sample[0], torch.arange(256, dtype=torch.float32))
     assert sample.shape == (4, 256)
