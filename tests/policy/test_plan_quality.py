@@ -92,3 +92,27 @@ def test_a_plan_is_never_truly_worse_than_uniform_bits_of_no_more_bytes(blocks, 
         # the measured error after the plan is not worse than that of uniform bits of no more bytes
         adaptive = _error(config, spec, reference)
         assert adaptive <= 1.5 * uniform[bits] + 1e-12, (average, adaptive, uniform[bits], policy.plan.bits)
+
+
+def _policy_with_costs(average, weight):
+    from daf.policy import AdaptivePolicy
+    from daf.policy.importance import SiteStats
+    policy = AdaptivePolicy(average, allow_raw=False)
+    for i, numel in enumerate((4096, 8192, 1024)):
+        policy.estimator.sites[f"s{i}"] = SiteStats(numel=numel, elements=numel, weight=weight * (i + 1), steps=1,
+                                                    variance=torch.tensor([1.0, 0.1, 0.005, 2e-5], dtype=torch.float64))
+    return policy
+
+
+def test_without_estimates_to_plan_on_the_plan_is_uniform_and_says_so():
+    for average, bits in ((2.0, 2), (6.0, 4), (8.0, 8)):
+        policy = _policy_with_costs(average, weight=0.0)
+        plan = policy.replan()
+        assert set(plan.bits.values()) == {bits}
+        assert policy.summary()["uniform_fallback"].startswith(f"uniform {bits} bits")
+
+
+def test_a_plan_backed_by_estimates_stands_and_the_summary_says_no_fallback():
+    policy = _policy_with_costs(6.0, weight=1.0)
+    plan = policy.replan()
+    assert policy.summary()["uniform_fallback"] is None and max(plan.bits.values()) == 8

@@ -61,6 +61,7 @@ class AdaptivePolicy(Policy):
         self.window = window
         self.min_gain = min_gain
         self.estimated_gain: float | None = None
+        self.fallback: str | None = None  # why the last plan is uniform bits instead of the allocator's, if it is
         # nearest allowed width (ties up): a first step at 1 bit everywhere wrecks the gradient
         self.default_bits = min(self.choices, key=lambda b: (abs(b - self.average), -b))
         self.estimator = ImportanceEstimator(group_size, self.choices, smoothing)
@@ -129,6 +130,7 @@ class AdaptivePolicy(Policy):
             counts[key] = counts.get(key, 0) + 1
         if self.estimated_gain is not None:
             figures["estimated_gain_over_uniform"] = round(self.estimated_gain, 4)
+        figures["uniform_fallback"] = self.fallback
         figures.update(mean_bits=round(self.plan.mean_bits, 4), estimated_variance=self.plan.cost,
                        exact=self.plan.exact, sites=counts, plan=dict(self.plan.bits))
         return figures
@@ -165,20 +167,38 @@ class AdaptivePolicy(Policy):
         total = sum(s.elements for s in sites) + fixed_elements
         # sites without an estimate keep the default bits; the rest share what is left
         average = (self.average * total - fixed_bits) / (total - fixed_elements)
-        plan = allocate(sites, max(average, min(self.choices)))
-        self.estimated_gain = None
-        if self.default_bits <= average:
-            # Uniform bits are within budget: prefer them unless the plan promises a clear gain. Each
-            # site's estimate is good to a factor of about 2-3 (docs/policy.md), so a smaller predicted
-            # gain is within the estimates' error and not worth the bet.
-            uniform = sum(site.costs[self.default_bits] for site in sites)
-            self.estimated_gain = 1 - plan.cost / uniform if uniform > 0 else 0.0
-            if self.estimated_gain < self.min_gain:
-                plan = _plan_of({site.name: self.default_bits for site in sites}, sites, self.average)
+        plan, self.fallback = self._guard(allocate(sites, max(average, min(self.choices))), sites, average)
         self.plan = plan
         self.plans += 1
         self._importance = _slopes(sites, plan, max(self.choices))
         return plan
+
+    def _guard(self, plan: Plan, sites: list[Site], average: float) -> tuple[Plan, str | None]:
+        """``plan``, or uniform bits where the estimates cannot back it, and why (None: the plan stands).
+
+        The uniform reference is the default width when it fits the budget, else the widest that does
+        (fewer bytes than the budget). Uniform bits replace the plan when the plan's estimated gain over
+        them is below ``min_gain`` (each site's estimate is good to a factor of about 2-3, docs/policy.md,
+        so a smaller predicted gain is not worth the bet), or when the estimates say nothing: every site
+        costs 0 at the reference width (no measured gradient reaches them), where a plan would trade
+        bits on no information (issue 13 was such a plan).
+        """
+        self.estimated_gain = None
+        fitting = [b for b in self.choices if b <= average]
+        if not fitting:
+            return plan, None
+        bits = self.default_bits if self.default_bits <= average else max(fitting)
+        uniform = sum(site.costs[bits] for site in sites)
+        gain = 1 - plan.cost / uniform if uniform > 0 else 0.0
+        if bits == self.default_bits:
+            self.estimated_gain = gain
+        if uniform <= 0:
+            reason = f"uniform {bits} bits: every site's estimated cost at {bits} bits is 0 (nothing to plan on)"
+        elif bits == self.default_bits and gain < self.min_gain:
+            reason = f"uniform {bits} bits: the plan's estimated gain {gain:.3f} is below min_gain {self.min_gain}"
+        else:
+            return plan, None
+        return _plan_of({site.name: bits for site in sites}, sites, self.average), reason
 
 
 def _plan_of(bits: dict[str, int], sites: list[Site], average: float) -> Plan:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from daf.policy.sampling import batched_rounding_variance, group_sample, rounding_variance, strided_sample
 from daf.tracing import OpCall, is_parameter
 
 __all__ = ["rounding_variance", "ImportanceEstimator", "SiteStats", "MATMUL_FUNCTIONS", "COMPOUNDING"]
@@ -51,40 +52,6 @@ COMPOUNDING = 100.0
 _SMALL_PARAM = 1 << 16  # parameters up to this many elements keep their last gradient (BatchNorm's gamma)
 MATMUL_FUNCTIONS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "matmul", "__matmul__", "__rmatmul__",
                               "bmm", "mm", "addmm", "baddbmm"})
-
-
-def rounding_variance(x: torch.Tensor, group_size: int, choices: tuple[int, ...],
-                      max_groups: int = 64) -> tuple[torch.Tensor, float]:
-    """Mean per-element variance of stochastic rounding at each bit width, and ``Var(x)``, on a sample.
-
-    x: float [*] -> (float64 [len(choices)], float). Groups are the codec's (``group_size``
-    consecutive elements in memory order); at most ``max_groups`` evenly spaced whole groups
-    are read. O(max_groups * group_size * len(choices)).
-
-    >>> v, var = rounding_variance(torch.linspace(0, 1, 4096), 256, (1, 2))
-    >>> bool(v[0] > 8 * v[1])
-    True
-    """
-    flat = x.detach().reshape(-1)
-    groups = flat.numel() // group_size
-    if groups == 0:
-        sample = flat.to(torch.float64).view(1, -1)
-    else:
-        stride = max(1, groups // max_groups)
-        sample = flat[: groups * group_size].view(groups, group_size)[::stride][:max_groups].to(torch.float64)
-    low = sample.amin(dim=1, keepdim=True)
-    span = sample.amax(dim=1, keepdim=True) - low
-    finite = torch.isfinite(span).view(-1)
-    sample, low, span = sample[finite], low[finite], span[finite]
-    out = torch.zeros(len(choices), dtype=torch.float64)
-    if sample.numel() == 0:
-        return out, 0.0
-    for k, bits in enumerate(choices):
-        step = span / ((1 << bits) - 1)
-        scaled = torch.where(step > 0, (sample - low) / torch.where(step > 0, step, 1.0), 0.0)
-        frac = scaled - scaled.floor()
-        out[k] = float((step.square() * frac * (1 - frac)).mean())
-    return out, float(sample.var()) if sample.numel() > 1 else 0.0
 
 
 @dataclass
@@ -127,6 +94,8 @@ class ImportanceEstimator:
         self._param_handles: dict[int, Any] = {}
         self._uses: list[tuple[str, str, dict[str, Any]]] = []  # (site, kind, measured figures) this step
         self._visited: set[Any] = set()  # autograd nodes walked this step looking for input leaves
+        # (site, sample of groups, density of the nonzeros or None, their Var or None) this step
+        self._samples: list[tuple[str, torch.Tensor, float | None, float | None]] = []
 
     # -- forward -----------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -137,26 +106,26 @@ class ImportanceEstimator:
         self._visited.clear()
 
     def observe_tensor(self, site: str, x: torch.Tensor, elements: int | None = None) -> None:
-        """Measure ``V(b)`` and ``Var(x)`` of a tensor stored at ``site``. O(sample).
+        """Take the sample of ``x`` stored at ``site`` whose ``V(b)`` and ``Var(x)`` ``fold`` measures. O(sample).
 
         ``elements``: when ``x`` holds only part of the activation (the nonzeros of a ReLU
         output, its zeros given exactly by the mask), the activation's element count. The
         others carry no error, so ``V(b)``, a mean over the activation, is scaled by
         ``x.numel() / elements``.
+
+        The sample (at most ``max_groups`` groups, a copy) waits for ``fold``, which measures every
+        site's in one batch: a few tensor ops per step instead of some forty per site.
         """
-        variance, data_var = rounding_variance(x, self.group_size, self.choices, self.max_groups)
-        if elements:
-            density = x.numel() / elements
-            variance = variance * density
-            sample = _strided_sample(x)
-            data_var = density * float(sample.square().mean()) - (density * float(sample.mean())) ** 2
         stats = self.sites.setdefault(site, SiteStats())
         stats.numel = x.numel()
         stats.elements = elements or x.numel()
         stats.dtype_bits = x.element_size() * 8
-        a = self.smoothing if stats.variance is not None else 0.0
-        stats.variance = variance if stats.variance is None else a * stats.variance + (1 - a) * variance
-        stats.data_var = a * stats.data_var + (1 - a) * data_var
+        density = data_var = None
+        if elements:
+            density = x.numel() / elements
+            sample = strided_sample(x)
+            data_var = density * float(sample.square().mean()) - (density * float(sample.mean())) ** 2
+        self._samples.append((site, group_sample(x, self.group_size, self.max_groups), density, data_var))
 
     def observe_call(self, call: OpCall) -> None:
         """Register the hooks that measure, in backward, how the op's use of its saved tensors matters."""
@@ -188,9 +157,10 @@ class ImportanceEstimator:
                     and output is not None and output.requires_grad and x.requires_grad:
                 weight = _bn_weight(call)
                 self._hook_param(weight)
-                channels = x.transpose(0, 1).reshape(x.shape[1], -1).detach().float()
+                # per-channel reductions in place: a transposed copy of the input cost as much again
+                variance = x.detach().float().var(dim=_non_channel_dims(x), unbiased=False)
                 use.update(gamma=weight.detach().float().reshape(-1).clone(), weight_id=id(weight),
-                           count=channels.shape[1], invstd=(channels.var(dim=1, unbiased=False) + 1e-5).rsqrt(),
+                           count=x.numel() // x.shape[1], invstd=(variance + 1e-5).rsqrt(),
                            input_var=self._input_var.get(x.data_ptr()))
                 _hook_channel_norms(output, use, "dy_channel")
                 _hook_norm(x, use, "gx")
@@ -203,7 +173,9 @@ class ImportanceEstimator:
 
     # -- after backward ----------------------------------------------------------------------
     def fold(self) -> None:
-        """Turn the measurements of the last step into each site's smoothed ``weight``. O(uses * params)."""
+        """Turn the measurements of the last step into each site's smoothed ``V(b)``, ``Var(x)`` and
+        ``weight``. O(samples + uses * params)."""
+        self._fold_samples()
         # Noise power an error injected into an activation gradient picks up on its way back: each
         # upstream product with a parameter turns an error d in its output gradient into
         # ||d||**2 * fan * E[input**2] of weight-gradient error; in units of the gradient there.
@@ -248,6 +220,24 @@ class ImportanceEstimator:
             a = self.smoothing if stats.weight is not None else 0.0
             stats.weight = w if stats.weight is None else a * stats.weight + (1 - a) * w
             stats.steps += 1
+
+    def _fold_samples(self) -> None:
+        """Smooth in ``V(b)`` and ``Var(x)`` of this step's samples: all whole-group samples in one batch."""
+        samples, self._samples = self._samples, []
+        whole = [item for item in samples if item[1].shape[1] == self.group_size]
+        measured = dict(zip([item[0] for item in whole],
+                            batched_rounding_variance([item[1] for item in whole], self.choices)))
+        for site, sample, density, nonzeros_var in samples:
+            if site in measured:
+                variance, data_var = measured[site]
+            else:  # fewer elements than a group
+                variance, data_var = rounding_variance(sample, sample.shape[1], self.choices)
+            if density is not None:
+                variance, data_var = variance * density, nonzeros_var
+            stats = self.sites[site]
+            a = self.smoothing if stats.variance is not None else 0.0
+            stats.variance = variance if stats.variance is None else a * stats.variance + (1 - a) * variance
+            stats.data_var = a * stats.data_var + (1 - a) * data_var
 
     def costs(self, site: str) -> dict[int, float] | None:
         """{bits: estimated added gradient variance} for a site with a measured weight, else None.
@@ -310,27 +300,21 @@ class ImportanceEstimator:
         small = p.numel() <= _SMALL_PARAM
 
         def hook(grad: torch.Tensor) -> None:
-            norms[key] = float(grad.detach().float().square().sum())
+            norms[key] = _squared_norm(grad)
             if small:
                 grads[key] = grad.detach().float().reshape(-1).clone()
 
         self._param_handles[key] = p.register_hook(hook)
 
 
-def _strided_sample(x: torch.Tensor, sample: int = 1 << 14) -> torch.Tensor:
-    """At most ``sample`` evenly strided elements of ``x``, as float. O(sample)."""
-    flat = x.detach().reshape(-1)
-    return flat[::max(1, flat.numel() // sample)].float()
-
-
 def _variance(x: torch.Tensor) -> float:
     """Variance of ``x`` over a strided sample. O(sample)."""
-    return float(_strided_sample(x).var()) if x.numel() > 1 else 0.0
+    return float(strided_sample(x).var()) if x.numel() > 1 else 0.0
 
 
 def _mean_square(x: torch.Tensor) -> float:
     """Mean of ``x**2`` over a strided sample. O(sample)."""
-    return float(_strided_sample(x).square().mean()) if x.numel() else 0.0
+    return float(strided_sample(x).square().mean()) if x.numel() else 0.0
 
 
 def _bn_weight(call: OpCall) -> torch.Tensor | None:
@@ -368,17 +352,25 @@ def _batch_norm_weight(use: dict[str, Any], upstream: float, grad_gamma: torch.T
     return injected * upstream / use["gx"] + direct + coherent
 
 
+def _non_channel_dims(t: torch.Tensor) -> tuple[int, ...]:
+    return (0, *range(2, t.dim()))
+
+
+def _squared_norm(t: torch.Tensor) -> float:
+    """``sum(t**2)`` in float32 without a temporary (30x faster than ``square().sum()`` here). O(numel)."""
+    return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float32)) ** 2
+
+
 def _hook_channel_norms(t: torch.Tensor, into: dict[str, Any], key: str) -> None:
     def hook(grad: torch.Tensor) -> None:
-        g = grad.detach().float()
-        into[key] = g.transpose(0, 1).reshape(g.shape[1], -1).square().sum(dim=1)
+        into[key] = torch.linalg.vector_norm(grad.detach(), dim=_non_channel_dims(grad), dtype=torch.float32).square()
 
     t.register_hook(hook)
 
 
 def _hook_norm(t: torch.Tensor, into: dict[str, Any], key: str) -> None:
     def hook(grad: torch.Tensor) -> None:
-        value = float(grad.detach().float().square().sum())
+        value = _squared_norm(grad)
         into[key] = into.get(key, 0.0) + value if math.isfinite(value) else into.get(key, 0.0)
 
     t.register_hook(hook)
