@@ -1,7 +1,8 @@
 """The format-1 codec's kernels: ops under ``torch.ops.daf``, the reference beside the C++ kernels.
 
 ``daf.kernels.reference`` is the plain-PyTorch statement of the format, ``daf.kernels.ops``
-the ops (reference by default, C++ on CPU once built), ``daf.kernels.build`` the build.
+the ops (reference by default, C++ on CPU once built), ``daf.kernels.build`` the build;
+``daf.kernels.mask_ops`` and ``mask_reference`` the same for the 1-bit masks and nonzeros.
 Nothing here imports ``daf.codec``: the codec sits on top.
 
 >>> isinstance(native_status(), str)
