@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 
 import daf
 from daf.policy import AdaptivePolicy, Policy, register_policy
+from daf.bench.overhead import timed_step
 from daf.workloads import get_workload
 
 _OPTIONS = {"resnet18-fmnist": {"width": 64}, "minilm-tweets": {}}
@@ -58,14 +58,6 @@ def _arm(workload: Any, config: daf.Config, steps: int) -> tuple[Any, Any]:
     return model, workload.optimizer(model, steps)[0]
 
 
-def _step(workload: Any, model: Any, optimizer: Any, batch: Any) -> float:
-    start = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    workload.loss(model, batch).backward()
-    optimizer.step()
-    return time.perf_counter() - start
-
-
 def run(name: str, batch: int, steps: int = 20, warmup: int = 3, replan_every: int = 10, average: float = 2.0,
         arms: tuple[str, ...] = ("uniform", "adaptive")) -> dict[str, Any]:
     """Seconds per step of uniform ``round(average)`` bits and of ``Adaptive(average)`` (and the other
@@ -78,7 +70,7 @@ def run(name: str, batch: int, steps: int = 20, warmup: int = 3, replan_every: i
         shift = index % len(arms)  # which arm goes first rotates
         order = list(arms[shift:] + arms[:shift])
         for arm in order:
-            seconds = _step(workload, *models[arm], data)
+            seconds = timed_step(workload, *models[arm], data)
             if index >= warmup:
                 times[arm].append(seconds)
     # whole cycles of the measured steps, for the mean (a cycle: replan_every forwards, one re-plan)

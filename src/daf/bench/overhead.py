@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["measure", "main", "add_arguments"]
+__all__ = ["measure", "main", "add_arguments", "timed_step"]
 
 _POLICY_METHODS = ("bits_for", "watch", "watch_op", "on_forward_start")
 
@@ -79,7 +79,8 @@ def _instrument(session: Any, clock: _Clock) -> None:
     session.unpack = clock.timed("unpack (all)", session.unpack, outer=True)
 
 
-def _step(workload: Any, model: Any, optimizer: Any, batch: Any) -> float:
+def timed_step(workload: Any, model: Any, optimizer: Any, batch: Any) -> float:
+    """Seconds of one training step (zero_grad, forward and backward of the workload's loss, optimizer step)."""
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     workload.loss(model, batch).backward()
@@ -104,10 +105,10 @@ def measure(workload_name: str, batch: int, steps: int = 5, warmup: int = 2, opt
     rows: list[dict[str, float]] = []
     for index, data in enumerate(batches):
         clock.seconds.clear()
-        row = {"fp32": _step(workload, models["fp32"], optimizers["fp32"], data)}
+        row = {"fp32": timed_step(workload, models["fp32"], optimizers["fp32"], data)}
         with OpTracker(lambda call: None):
-            row["tracker"] = _step(workload, models["tracker"], optimizers["tracker"], data)
-        row["daf"] = _step(workload, models["daf"], optimizers["daf"], data)
+            row["tracker"] = timed_step(workload, models["tracker"], optimizers["tracker"], data)
+        row["daf"] = timed_step(workload, models["daf"], optimizers["daf"], data)
         row.update(clock.seconds)
         if index >= warmup:
             rows.append(row)
