@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "FORMAT_VERSION", "ALLOWED_BITS", "META_BYTES", "EXCEPTION_LIMIT", "MIN_STEP", "TINY_LIMIT",
     "Packed", "row_bytes", "num_groups", "payload_bytes", "flatten_memory_order", "restore_memory_order",
+    "MASK_INT_VIEW", "mask_bytes",
 ]
 
 FORMAT_VERSION = 1
@@ -60,6 +61,20 @@ def num_groups(numel: int, group_size: int) -> int:
     2
     """
     return -(-numel // group_size)
+
+
+# 1-bit masks compare and copy bit patterns (NaN, -0.0): the integer type of each mask dtype's width.
+MASK_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+                 torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+
+
+def mask_bytes(numel: int) -> int:
+    """Payload bytes of a 1-bit mask of ``numel`` elements. O(1).
+
+    >>> mask_bytes(17)
+    3
+    """
+    return -(-numel // 8)
 
 
 def payload_bytes(numel: int, bits: int, group_size: int) -> int:

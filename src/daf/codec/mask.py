@@ -29,16 +29,12 @@ from typing import Any
 import torch
 
 from daf.codec.spec import Spec
-from daf.format import Packed, flatten_memory_order, restore_memory_order
+from daf.format import MASK_INT_VIEW, Packed, flatten_memory_order, mask_bytes, restore_memory_order
 
 __all__ = ["MaskPacked", "ReluMaskPacked", "MaskCodec", "ReluMaskCodec", "two_values", "encode_mask",
            "encode_relu_mask", "decode_mask", "decode_relu_mask", "mask_bits", "mask_bytes", "MASK_DTYPES"]
 
-# The integer type of each mask dtype's width (daf.kernels.mask_reference.INT_VIEW, which this
-# module does not import at import time: importing daf loads nothing of daf.kernels).
-_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
-             torch.bfloat16: torch.int16, torch.bool: torch.uint8}
-MASK_DTYPES = tuple(_INT_VIEW)
+MASK_DTYPES = tuple(MASK_INT_VIEW)
 _SAMPLE = 4096
 # Elements per slice of two_values' scan: its temporaries are 1-2 bytes per element of a slice.
 _CHUNK = 1 << 20
@@ -71,15 +67,6 @@ class ReluMaskPacked(MaskPacked):
     the bool tensor ``decode_relu_mask`` gives in place of the float output."""
 
 
-def mask_bytes(numel: int) -> int:
-    """Payload bytes of a mask of ``numel`` elements. O(1).
-
-    >>> mask_bytes(17)
-    3
-    """
-    return -(-numel // 8)
-
-
 def _chunks(numel: int, first: int = _CHUNK) -> Iterator[tuple[int, int]]:
     """``(start, end)`` of consecutive slices of ``numel`` elements, the first ``first`` long, then
     ``_CHUNK`` long: a pass over a tensor allocates temporaries of one slice, never of the tensor."""
@@ -96,10 +83,10 @@ def two_values(x: torch.Tensor) -> tuple[float, float] | None:
     memory order before reading the rest, so most tensors are refused in O(4096).
     ``low`` is the value of the first element. O(numel) worst case, temporaries O(1 MiB).
     """
-    if x.dtype not in _INT_VIEW or x.numel() == 0 or x.is_meta:
+    if x.dtype not in MASK_INT_VIEW or x.numel() == 0 or x.is_meta:
         return None
     flat, _ = flatten_memory_order(x.detach())
-    codes = flat.view(_INT_VIEW[x.dtype])
+    codes = flat.view(MASK_INT_VIEW[x.dtype])
     first, second, where = codes[:1], None, 0
     for start, end in _chunks(codes.numel(), _SAMPLE):
         part = codes[start:end]

@@ -20,24 +20,15 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from daf.format import MASK_INT_VIEW, mask_bytes
+
 __all__ = ["relu_mask_encode", "mask_encode", "mask_unpack", "mask_select", "relu_nonzeros", "mask_scatter",
            "mask_bytes", "INT_VIEW"]
 
-# The integer type of each mask dtype's width: masks compare and copy bit patterns (NaN, -0.0).
-INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
-            torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+INT_VIEW = MASK_INT_VIEW
 # Elements per slice (a multiple of 8): a whole-tensor bool and its shifted copy would add up to
 # 75% of a float32 activation.
 CHUNK = 1 << 20
-
-
-def mask_bytes(numel: int) -> int:
-    """Payload bytes of a mask of ``numel`` elements. O(1).
-
-    >>> mask_bytes(17)
-    3
-    """
-    return -(-numel // 8)
 
 
 def chunks(numel: int) -> Iterator[tuple[int, int]]:
