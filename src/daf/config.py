@@ -211,7 +211,8 @@ class Outliers:
             inlier first; measured best on SmolLM2 and MiniLM) or "token" (along the channels of a token,
             as MinMax).
         derivatives: store the input of GELU / SiLU as a 2-bit code of its derivative (Approx-BP), which
-            is all their backward reads.
+            is all their backward reads. Only where the policy gives that save 2 bits: at 4 or 8 bits the
+            input's own codes are finer (measured, docs/transformers.md), so they are used there.
     """
 
     fraction: float = 0.01
