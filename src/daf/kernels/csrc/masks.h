@@ -185,28 +185,6 @@ int64_t count_positive(const U* x, int64_t n, U inf, int64_t* counts) {
   return total;
 }
 
-// The elements > 0 of x in memory order into out, given count_positive's counts. Branch-free:
-// every element is written at the cursor, which moves on past the positive ones only; a unit's
-// staging buffer keeps the extra write inside this thread's memory.
-template <typename U>
-void compact_positive(const U* x, int64_t n, U inf, const int64_t* counts, U* out) {
-  std::vector<int64_t> offset(units(n) + 1, 0);
-  for (int64_t u = 0; u < units(n); ++u) offset[u + 1] = offset[u] + counts[u];
-  at::parallel_for(0, units(n), kGrainUnits, [&](int64_t first, int64_t last) {
-    std::vector<U> buf(kUnit + 1);
-    for (int64_t u = first; u < last; ++u) {
-      const int64_t start = u * kUnit, end = std::min(n, start + kUnit);
-      int64_t k = 0;
-      for (int64_t j = start; j < end; ++j) {
-        const U v = x[j];
-        buf[k] = v;
-        k += (v != 0) & (v <= inf);  // count_positive refused negatives and NaN: this is v > 0
-      }
-      std::memcpy(out + offset[u], buf.data(), k * sizeof(U));
-    }
-  });
-}
-
 // kRank.r[b][i]: how many bits of b below bit i are set, which of a byte's values element i takes.
 struct RankTable {
   uint8_t r[256][8];
@@ -219,6 +197,78 @@ constexpr RankTable make_rank_table() {
   return t;
 }
 inline constexpr RankTable kRank = make_rank_table();
+
+// kPack.r[b][i]: the lane of the i-th set bit of b (0 past the last): the permutation that moves a
+// byte's selected lanes to the front.
+constexpr RankTable make_pack_table() {
+  RankTable t{};
+  for (int b = 0; b < 256; ++b) {
+    int k = 0;
+    for (int i = 0; i < 8; ++i) {
+      if ((b >> i) & 1) t.r[b][k++] = static_cast<uint8_t>(i);
+    }
+  }
+  return t;
+}
+inline constexpr RankTable kPack = make_pack_table();
+
+#ifdef DAF_MASKS_AVX2
+// Eight int32 lane indices from a table row.
+inline __m256i lanes_of(const uint8_t* row) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+}
+
+// The elements > 0 of 4-byte x[j, end), 8 at a time while 8 are left, to buf[k...]: each group's
+// positive lanes permuted to the front and all 8 stored at the cursor (buf has 8 lanes of room past
+// its last element). Positive is "> 0 as int32": count_positive refused negatives and NaN. Returns
+// where it stopped; k moves on by the positives written.
+template <typename U>
+inline int64_t left_pack8(const U* x, int64_t j, int64_t end, U* buf, int64_t& k) {
+  for (; j + 8 <= end; j += 8) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+    const int b = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, _mm256_setzero_si256())));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + k), _mm256_permutevar8x32_epi32(v, lanes_of(kPack.r[b])));
+    k += __builtin_popcount(b);
+  }
+  return j;
+}
+
+// One mask byte b of 8 elements from 4-byte values[k, k + 8) (all readable): lane i takes
+// values[k + rank of i] where bit i is set, +0 elsewhere.
+template <typename U>
+inline void expand8(const U* values, int64_t k, uint8_t b, U* out) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + k));
+  const __m256i select = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(b), select), select);
+  const __m256i spread = _mm256_permutevar8x32_epi32(v, lanes_of(kRank.r[b]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_and_si256(spread, set));
+}
+#endif
+
+// The elements > 0 of x in memory order into out, given count_positive's counts. Branch-free:
+// every element is written at the cursor, which moves on past the positive ones only; a unit's
+// staging buffer keeps the extra write inside this thread's memory.
+template <typename U>
+void compact_positive(const U* x, int64_t n, U inf, const int64_t* counts, U* out) {
+  std::vector<int64_t> offset(units(n) + 1, 0);
+  for (int64_t u = 0; u < units(n); ++u) offset[u + 1] = offset[u] + counts[u];
+  at::parallel_for(0, units(n), kGrainUnits, [&](int64_t first, int64_t last) {
+    std::vector<U> buf(kUnit + 8);  // room for a full 8-lane store at the cursor
+    for (int64_t u = first; u < last; ++u) {
+      const int64_t start = u * kUnit, end = std::min(n, start + kUnit);
+      int64_t k = 0, j = start;
+#ifdef DAF_MASKS_AVX2
+      if constexpr (sizeof(U) == 4) j = left_pack8(x, j, end, buf.data(), k);
+#endif
+      for (; j < end; ++j) {
+        const U v = x[j];
+        buf[k] = v;
+        k += (v != 0) & (v <= inf);  // count_positive refused negatives and NaN: this is v > 0
+      }
+      std::memcpy(out + offset[u], buf.data(), k * sizeof(U));
+    }
+  });
+}
 
 // The m <= 8 elements of one mask byte b, whose first set bit takes values[k]. Each element's
 // index comes from the table, not from a running count: no dependency between elements and no
@@ -260,6 +310,15 @@ int64_t scatter(const U* values, int64_t count, const uint8_t* bits, int64_t n, 
       for (int64_t j = u * kUnit; j < end; j += 8) {
         const int m = static_cast<int>(std::min<int64_t>(8, end - j));
         const uint8_t b = static_cast<uint8_t>(bits[j / 8] & ((1u << m) - 1u));  // the padding's bits: not ours
+#ifdef DAF_MASKS_AVX2
+        if constexpr (sizeof(U) == 4) {
+          if (m == 8 && k + 8 <= count) {  // a full byte whose 8-lane read stays inside values
+            expand8(values, k, b, out + j);
+            k += __builtin_popcount(b);
+            continue;
+          }
+        }
+#endif
         scatter8(values, k, top, b, m, out + j);
         k += __builtin_popcount(b);
       }
