@@ -24,6 +24,7 @@ a pool made of several chunks is rebuilt as one chunk of the same size.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import math
 import mmap
 from collections.abc import Iterator
@@ -41,6 +42,20 @@ def _reserve(nbytes: int, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor keeps the map alive
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src for two contiguous uint8 tensors of one size. On the CPU one ``memmove`` on this
+    thread: ``copy_`` splits a copy above 32K elements over the intra-op threads, and when another
+    process holds the other core the wait for that thread is what it costs (a 1.6 MB record: 12 ms
+    against 60 us, measured on this 2-core machine under load)."""
+    if dst.numel() != src.numel():
+        raise ValueError(f"cannot copy {src.numel()} bytes into {dst.numel()}")
+    if dst.is_cpu and src.is_cpu and dst.dtype == src.dtype == torch.uint8 and dst.is_contiguous() \
+            and src.is_contiguous():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+    else:
+        dst.copy_(src)
 
 
 class PoolExhausted(MemoryError):
@@ -116,7 +131,7 @@ class PagePool:
         """
         offset = 0
         for view in self.views(pages, payload.numel()):
-            view.copy_(payload[offset: offset + view.numel()])
+            _copy_bytes(view, payload[offset: offset + view.numel()])
             offset += view.numel()
 
     def read(self, pages: list[int], nbytes: int) -> torch.Tensor:
@@ -131,7 +146,7 @@ class PagePool:
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         offset = 0
         for view in views:
-            out[offset: offset + view.numel()].copy_(view)
+            _copy_bytes(out[offset: offset + view.numel()], view)
             offset += view.numel()
         return out
 
