@@ -20,3 +20,10 @@ def test_overhead_table_and_json(tmp_path, capsys):
     assert math.isclose(components["fp32 step"] + parts, components["DAF step"], rel_tol=1e-9)
     assert len(result["rows"]) == 2
     assert "encode[relu_mask]" in capsys.readouterr().out
+    assert math.isclose(result["step_ratio"], overhead.step_ratio(result["rows"]))
+
+
+def test_step_ratio_is_the_median_of_each_rounds_ratio():
+    rows = [{"fp32": 1.0, "daf": 1.1}, {"fp32": 4.0, "daf": 4.0}, {"fp32": 2.0, "daf": 2.6}]
+    # the medians of the arms (2.0 and 2.6) would say 1.3; round by round the ratios are 1.1, 1.0, 1.3
+    assert math.isclose(overhead.step_ratio(rows), 1.1)

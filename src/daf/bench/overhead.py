@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["measure", "main", "add_arguments", "timed_step"]
+__all__ = ["measure", "main", "add_arguments", "timed_step", "step_ratio"]
 
 _POLICY_METHODS = ("bits_for", "watch", "watch_op", "on_forward_start")
 
@@ -113,7 +113,7 @@ def measure(workload_name: str, batch: int, steps: int = 5, warmup: int = 2, opt
         if index >= warmup:
             rows.append(row)
     return {"workload": workload_name, "batch": batch, "steps": steps, "warmup": warmup,
-            "options": options or {}, "components": _components(rows), "rows": rows}
+            "options": options or {}, "components": _components(rows), "step_ratio": step_ratio(rows), "rows": rows}
 
 
 def _components(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -136,6 +136,12 @@ def _components(rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def step_ratio(rows: list[dict[str, float]]) -> float:
+    """Median over steps of DAF's step time over fp32's in the same round: the two ran back to back,
+    so a change in the machine's load between rounds cancels (medians of each arm do not)."""
+    return statistics.median(row["daf"] / row["fp32"] for row in rows)
+
+
 def table(result: dict[str, Any]) -> str:
     comps = result["components"]
     fp32 = comps["fp32 step"]
@@ -143,6 +149,7 @@ def table(result: dict[str, Any]) -> str:
              f"after {result['warmup']} warm-up", f"{'component':34s} {'ms/step':>9s} {'% of fp32':>10s}"]
     for name, seconds in comps.items():
         lines.append(f"{name:34s} {1000 * seconds:9.1f} {100 * seconds / fp32:9.1f}%")
+    lines.append(f"DAF / fp32, median over steps of each round's ratio: {result['step_ratio']:.3f}")
     return "\n".join(lines)
 
 
