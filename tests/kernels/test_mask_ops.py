@@ -172,6 +172,61 @@ def test_codec_masks_keep_shape_and_strides_on_the_kernels(extension):
         scatter_nonzeros(nonzeros[1:], mask.encode_relu_mask(clean), "s1")
 
 
+def _nonzeros_record(n: int, zeros: float, bits: int, group_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, generator=g) * 4
+    x[torch.rand(n, generator=g) < zeros] = 0.0
+    values = x[x > 0]
+    payload, _ = torch.ops.daf.format1_encode(values, bits, group_size, True, seed)
+    return x, values, payload, native("relu_mask_encode", x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.one_of(st.integers(0, 3000), st.sampled_from(LARGE[:1])), zeros=st.floats(0, 1),
+       bits=st.sampled_from([1, 2, 4, 8]), group_size=st.sampled_from([8, 64, 256, 1024]), seed=st.integers(0, 2**16))
+def test_nonzeros_decode_scatter_is_decode_then_scatter(extension, n, zeros, bits, group_size, seed):
+    x, values, payload, bits_of_x = _nonzeros_record(n, zeros, bits, group_size, seed)
+    decoded = torch.ops.daf.format1_decode(payload, values.numel(), bits, group_size, torch.float32)
+    expected = native("mask_scatter", decoded, bits_of_x, n)
+    for run in (native, default):
+        got = run("nonzeros_decode_scatter", payload, values.numel(), bits, group_size, bits_of_x, n)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(expected == 0, x == 0)
+
+
+@pytest.mark.parametrize("run", [native, default])
+def test_nonzeros_decode_scatter_refuses_a_mask_that_disagrees(extension, run):
+    x, values, payload, bits_of_x = _nonzeros_record(1000, 0.5, 2, 256, 0)
+    other = native("relu_mask_encode", torch.roll(x, 1) * (torch.arange(1000) > 0))
+    if int(native("mask_unpack", other, 1000).sum()) != values.numel():
+        with pytest.raises(ValueError, match="set bits for"):
+            run("nonzeros_decode_scatter", payload, values.numel(), 2, 256, other, 1000)
+    with pytest.raises(ValueError, match="payload must be uint8"):
+        run("nonzeros_decode_scatter", payload[1:], values.numel(), 2, 256, bits_of_x, 1000)
+
+
+def test_decode_nonzeros_is_one_op_for_float32_and_decode_then_scatter_otherwise(extension):
+    from daf.codec.nonzeros import decode_nonzeros
+    from daf.codec.minmax import encode as minmax_encode, decode as minmax_decode
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 8, 9, 9).relu().to(dtype).to(memory_format=torch.channels_last)
+        x[0, 1, 2, 3] = float("inf")  # kept exactly in the record's exception table: decoded, then scattered
+        relu = mask.encode_relu_mask(x)
+        nonzeros = nonzeros_of(x, 1)
+        packed = minmax_encode(nonzeros, bits=2, seed=3)
+        expected = scatter_nonzeros(minmax_decode(packed), relu, "s")
+        assert packed.exc_index is not None and packed.exc_index.numel() == 1
+        got = decode_nonzeros(packed, relu, "s", minmax_decode)
+        assert got.dtype == dtype and got.stride() == x.stride() and torch.equal(got, expected)
+        clean = minmax_encode(nonzeros.clamp(max=1e3), bits=2, seed=3)  # no exceptions: the one-op path
+        assert torch.equal(decode_nonzeros(clean, relu, "s", minmax_decode),
+                           scatter_nonzeros(minmax_decode(clean), relu, "s"))
+    short = minmax_encode(nonzeros_of(x, 1)[1:].float(), bits=2)
+    with pytest.raises(RuntimeError, match="site s7 .* refusing to return wrong data"):
+        decode_nonzeros(short, mask.encode_relu_mask(x.float()), "s7", minmax_decode)
+
+
 def test_fake_shapes(extension):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -190,6 +245,8 @@ def test_fake_shapes(extension):
     ("mask_select", lambda: (torch.randint(0, 256, (126,), dtype=torch.uint8), 1001, torch.tensor([0.5, -2.0]))),
     ("mask_scatter", lambda: (torch.ones(500), torch.tensor([0x55] * 125, dtype=torch.uint8), 1000)),
     ("relu_nonzeros", lambda: (floats(1001, torch.float32, 0, 0.0).relu(),)),  # a size that depends on the data
+    ("nonzeros_decode_scatter", lambda: _nonzeros_record(1001, 0.5, 2, 256, 0)[2:3]
+     + (int((_nonzeros_record(1001, 0.5, 2, 256, 0)[0] > 0).sum()), 2, 256, _nonzeros_record(1001, 0.5, 2, 256, 0)[3], 1001)),
 ])
 def test_opcheck(extension, name, args):
     torch.library.opcheck(getattr(torch.ops.daf, name).default, args())

@@ -9,12 +9,14 @@ strides order and dtype. Both directions are one op each (``daf::relu_nonzeros``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from daf.codec.mask import MaskPacked, _ops
-from daf.format import flatten_memory_order, restore_memory_order
+from daf.format import Packed, flatten_memory_order, restore_memory_order
 
-__all__ = ["nonzeros_of", "scatter_nonzeros"]
+__all__ = ["nonzeros_of", "scatter_nonzeros", "decode_nonzeros"]
 
 
 def nonzeros_of(x: torch.Tensor, min_count: int) -> torch.Tensor | None:
@@ -38,5 +40,23 @@ def scatter_nonzeros(nonzeros: torch.Tensor, mask: MaskPacked, site: str) -> tor
         flat = _ops().mask_scatter(nonzeros.to(mask.dtype).reshape(-1), mask.payload, mask.numel)
     except ValueError as error:
         raise RuntimeError(f"DAF: the record of site {site} holds {nonzeros.numel()} nonzeros but its ReLU mask "
+                           f"disagrees ({error}); refusing to return wrong data") from error
+    return restore_memory_order(flat, mask.shape, mask.order)
+
+
+def decode_nonzeros(packed: Packed, mask: MaskPacked, site: str, decode: Callable[[Packed], torch.Tensor]) -> torch.Tensor:
+    """The ReLU output whose nonzeros ``packed`` holds (``decode`` decodes it) and whose ReLU mask is ``mask``.
+
+    float32 format-1 codes without exceptions go through one op (``daf::nonzeros_decode_scatter``:
+    on the kernels one pass, no compact tensor between decode and scatter); any other record is decoded,
+    then scattered. Same values either way. Raises ``RuntimeError`` naming ``site`` when the counts disagree."""
+    exceptions = packed.exc_index is not None and packed.exc_index.numel() > 0
+    if type(packed) is not Packed or exceptions or packed.dtype != torch.float32 or mask.dtype != torch.float32:
+        return scatter_nonzeros(decode(packed), mask, site)
+    try:
+        flat = _ops().nonzeros_decode_scatter(packed.payload.reshape(-1), packed.numel, packed.bits, packed.group_size,
+                                              mask.payload, mask.numel)
+    except ValueError as error:
+        raise RuntimeError(f"DAF: the record of site {site} holds {packed.numel} nonzeros but its ReLU mask "
                            f"disagrees ({error}); refusing to return wrong data") from error
     return restore_memory_order(flat, mask.shape, mask.order)

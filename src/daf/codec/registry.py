@@ -19,6 +19,7 @@ from daf.codec.derivative import DerivativePacked
 from daf.codec.division import DivisionCodec, DivisionPacked
 from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec, ReluMaskPacked
 from daf.codec.minmax import MinMaxCodec
+from daf.codec.nonzeros import decode_nonzeros
 from daf.codec.spec import Codec, Spec
 from daf.config import Config, Division, MinMax, Outliers, register_config_type
 from daf.format import Packed
@@ -105,6 +106,11 @@ class Codecs:
             if isinstance(packed, packed_type):
                 return codec.decode(packed)
         raise TypeError(f"DAF has no codec for a record of type {type(packed).__name__}")
+
+    def decode_nonzeros(self, packed: Packed, mask: MaskPacked, site: str) -> torch.Tensor:
+        """The ReLU output whose nonzeros ``packed`` holds and whose ReLU mask is ``mask``
+        (``daf.codec.nonzeros.decode_nonzeros``)."""
+        return decode_nonzeros(packed, mask, site, self.decode)
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
         return self.codes.reencode(packed, bits, seed)

@@ -14,6 +14,9 @@ same bytes. All tensors are flat and contiguous, in memory order.
   ``ok`` False when one is negative or NaN); the size depends on the data
 - ``daf::mask_scatter(Tensor values, Tensor bits, SymInt numel) -> Tensor``: ``values`` where the bit
   is set, +0 elsewhere; ValueError when the count of set bits is not ``values.numel()``
+- ``daf::nonzeros_decode_scatter(Tensor payload, SymInt count, int bits, int group_size, Tensor mask,
+  SymInt numel) -> Tensor``: ``mask_scatter`` of the float32 ``format1_decode`` of ``count`` values,
+  in one pass on the kernels (no compact tensor between the two)
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from types import ModuleType
 import torch
 
 from daf.kernels import mask_reference as reference
+from daf.kernels import reference as format_reference
+from daf.format import payload_bytes
+from daf.kernels.ops import check_format
 from daf.kernels.mask_reference import INT_VIEW, check_count, mask_bytes
 
 __all__ = ["register_native", "native_registered", "MASK_OPS"]
 
-MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_unpack", "mask_select", "relu_nonzeros", "mask_scatter")
+MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_unpack", "mask_select", "relu_nonzeros", "mask_scatter",
+            "nonzeros_decode_scatter")
 _SCHEMAS = {
     "relu_mask_encode": "(Tensor x) -> Tensor",
     "mask_encode": "(Tensor x) -> Tensor",
@@ -35,6 +42,8 @@ _SCHEMAS = {
     "mask_select": "(Tensor bits, SymInt numel, Tensor values) -> Tensor",
     "relu_nonzeros": "(Tensor x) -> (Tensor values, Tensor ok)",
     "mask_scatter": "(Tensor values, Tensor bits, SymInt numel) -> Tensor",
+    "nonzeros_decode_scatter": "(Tensor payload, SymInt count, int bits, int group_size, Tensor mask, "
+                               "SymInt numel) -> Tensor",
 }
 # The kernels' dtype codes for float tests on bit patterns (bindings.cpp, MaskDType).
 _FLOAT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -103,8 +112,26 @@ def _mask_scatter(values: torch.Tensor, bits: torch.Tensor, numel: int) -> torch
     return reference.mask_scatter(values, bits, numel)
 
 
+def _check_payload(payload: torch.Tensor, count: int, bits: int, group_size: int) -> None:
+    check_format(bits, group_size)
+    _flat(payload, "payload")
+    expected = payload_bytes(count, bits, group_size)
+    if payload.dtype != torch.uint8 or payload.numel() != expected:
+        raise ValueError(f"payload must be uint8 [{expected}] for {count} values at {bits} bits, group_size "
+                         f"{group_size}; got {payload.dtype} [{payload.numel()}]")
+
+
+def _nonzeros_decode_scatter(payload: torch.Tensor, count: int, bits: int, group_size: int, mask: torch.Tensor,
+                             numel: int) -> torch.Tensor:
+    _check_payload(payload, count, bits, group_size)
+    _check_bits(mask, numel)
+    values = format_reference.decode_flat(payload, count, bits, group_size, torch.float32, None, None)
+    return reference.mask_scatter(values, mask, numel)
+
+
 _DEFAULTS = {"relu_mask_encode": _relu_mask_encode, "mask_encode": _mask_encode, "mask_unpack": _mask_unpack,
-             "mask_select": _mask_select, "relu_nonzeros": _relu_nonzeros, "mask_scatter": _mask_scatter}
+             "mask_select": _mask_select, "relu_nonzeros": _relu_nonzeros, "mask_scatter": _mask_scatter,
+             "nonzeros_decode_scatter": _nonzeros_decode_scatter}
 for _name, _kernel in _DEFAULTS.items():
     torch.library.register_kernel(f"daf::{_name}", "default", _kernel)
 
@@ -140,6 +167,11 @@ def _relu_nonzeros_fake(x):
 @torch.library.register_fake("daf::mask_scatter")
 def _mask_scatter_fake(values, bits, numel):
     return values.new_empty(numel)
+
+
+@torch.library.register_fake("daf::nonzeros_decode_scatter")
+def _nonzeros_decode_scatter_fake(payload, count, bits, group_size, mask, numel):
+    return payload.new_empty(numel, dtype=torch.float32)
 
 
 # ---- CPU implementations: the C++ kernels, registered when the extension loads ----------------
@@ -218,8 +250,21 @@ def _native_kernels(ext: ModuleType) -> dict:
             check_count(0, values.numel())
         return out
 
+    def nonzeros_decode_scatter(payload: torch.Tensor, count: int, bits: int, group_size: int, mask: torch.Tensor,
+                                numel: int) -> torch.Tensor:
+        _check_payload(payload, count, bits, group_size)
+        _check_bits(mask, numel)
+        if not (payload.is_cpu and mask.is_cpu):
+            return _nonzeros_decode_scatter(payload, count, bits, group_size, mask, numel)
+        out = torch.empty(numel, dtype=torch.float32)
+        set_bits = ext.nonzeros_decode_scatter(payload.contiguous().data_ptr(), count, bits, group_size,
+                                               mask.contiguous().data_ptr(), numel, out.data_ptr()) if numel else 0
+        check_count(set_bits, count)
+        return out
+
     return {"relu_mask_encode": relu_mask_encode, "mask_encode": mask_encode, "mask_unpack": mask_unpack,
-            "mask_select": mask_select, "relu_nonzeros": relu_nonzeros, "mask_scatter": mask_scatter}
+            "mask_select": mask_select, "relu_nonzeros": relu_nonzeros, "mask_scatter": mask_scatter,
+            "nonzeros_decode_scatter": nonzeros_decode_scatter}
 
 
 def native_registered() -> bool:

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from daf.codec import Codecs, Spec
-from daf.codec.nonzeros import scatter_nonzeros
 from daf.config import Config
 from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
@@ -230,9 +229,11 @@ class Session:
             return recent[1]
         if saved.ref is None:  # backward (or checkpointing) asked before the forward ended
             self._collect_pending()
-        tensor = self.codecs.decode(self.store.get(saved.ref))
-        if saved.mask is not None:
-            tensor = scatter_nonzeros(tensor, self.store.get(saved.mask.ref), saved.site)
+        packed = self.store.get(saved.ref)
+        if saved.mask is None:
+            tensor = self.codecs.decode(packed)
+        else:
+            tensor = self.codecs.decode_nonzeros(packed, self.store.get(saved.mask.ref), saved.site)
         self._recent = (weakref.ref(saved, self._forget_recent), tensor)
         return tensor
 

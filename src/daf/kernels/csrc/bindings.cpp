@@ -11,6 +11,7 @@
 
 #include "kernels.h"
 #include "masks.h"
+#include "nonzeros.h"
 
 namespace daf {
 namespace {
@@ -175,6 +176,23 @@ int64_t mask_scatter(int64_t values, int64_t count, int64_t bits, int64_t n, int
   });
 }
 
+// float32 out[n]: the `count` values of format-1 rows at `payload` where the mask bit is set, +0
+// elsewhere. Returns the mask's count of set bits; out is written only when it equals count.
+int64_t nonzeros_decode_scatter(int64_t payload, int64_t count, int64_t bits, int64_t group_size, int64_t mask,
+                                int64_t n, int64_t out) {
+  Layout layout = checked_layout(count, bits, group_size);
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(payload);
+  const uint8_t* mask_bits = reinterpret_cast<const uint8_t*>(mask);
+  float* dst = reinterpret_cast<float*>(out);
+  switch (bits) {
+    case 1: return nonzeros::decode_scatter<1>(src, layout, mask_bits, n, dst);
+    case 2: return nonzeros::decode_scatter<2>(src, layout, mask_bits, n, dst);
+    case 4: return nonzeros::decode_scatter<4>(src, layout, mask_bits, n, dst);
+    case 8: return nonzeros::decode_scatter<8>(src, layout, mask_bits, n, dst);
+  }
+  throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(bits));
+}
+
 std::string build_info() {
 #if defined(CPU_CAPABILITY_AVX512)
   const char* isa = "avx512";
@@ -204,6 +222,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nonzeros_compact", &daf::nonzeros_compact, "the positives in memory order",
         py::call_guard<py::gil_scoped_release>());
   m.def("mask_scatter", &daf::mask_scatter, "values where the bit is set, zero elsewhere; returns the set bits",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("nonzeros_decode_scatter", &daf::nonzeros_decode_scatter,
+        "a ReLU output from the codes of its nonzeros and its mask; returns the set bits",
         py::call_guard<py::gil_scoped_release>());
   m.def("mask_unit", []() { return daf::masks::kUnit; });
   m.def("build_info", &daf::build_info);
