@@ -259,6 +259,8 @@ def bench_masks(rounds: int = 11, shape: tuple[int, ...] = MASK_SHAPE) -> dict:
     bits = torch.ops.daf.relu_mask_encode(relu)
     two_bits = torch.ops.daf.mask_encode(dropout)
     nonzeros = relu[relu > 0]
+    count = nonzeros.numel()
+    payload, _ = torch.ops.daf.format1_encode(nonzeros, 2, 256, True, 0)
     values = torch.tensor([0.0, 1 / 0.9])
     calls = {
         "relu mask encode, float32": ("relu_mask_encode", relu),
@@ -268,9 +270,20 @@ def bench_masks(rounds: int = 11, shape: tuple[int, ...] = MASK_SHAPE) -> dict:
         "decode to two values": ("mask_select", two_bits, numel, values),
         "nonzeros_of (count + compact)": ("relu_nonzeros", relu),
         "scatter_nonzeros": ("mask_scatter", nonzeros, bits, numel),
+        "nonzeros decode + scatter, 2 bits": ("nonzeros_decode_scatter", payload, count, 2, 256, bits, numel),
     }
     times: dict[str, dict[str, list[float]]] = {k: {"default": [], "native": []} for k in calls}
+    # the native decode then the native scatter, against the one op (both native): what fusing saves
+    fused = {"two ops": lambda: torch.ops.daf.mask_scatter(
+                 torch.ops.daf.format1_decode(payload, count, 2, 256, torch.float32), bits, numel),
+             "one op": lambda: torch.ops.daf.nonzeros_decode_scatter(payload, count, 2, 256, bits, numel)}
+    fused_times: dict[str, list[float]] = {k: [] for k in fused}
     for i in range(rounds + 1):  # round 0 warms up
+        for name, fn in (fused.items() if i % 2 else list(fused.items())[::-1]):
+            start = time.perf_counter()
+            fn()
+            if i:
+                fused_times[name].append(time.perf_counter() - start)
         for name, (op, *args) in calls.items():
             packet = getattr(torch.ops.daf, op).default
             runs = [("default", lambda: packet._op_dk(default_key, *args)), ("native", lambda: packet(*args))]
@@ -280,7 +293,8 @@ def bench_masks(rounds: int = 11, shape: tuple[int, ...] = MASK_SHAPE) -> dict:
                 if i:
                     times[name][impl].append(time.perf_counter() - start)
     return {"shape": list(shape), "numel": numel, "rounds": rounds, "threads": torch.get_num_threads(),
-            "median_s": {k: {impl: statistics.median(t) for impl, t in v.items()} for k, v in times.items()}}
+            "median_s": {k: {impl: statistics.median(t) for impl, t in v.items()} for k, v in times.items()},
+            "nonzeros_decode_median_s": {k: statistics.median(t) for k, t in fused_times.items()}}
 
 
 def print_masks(result: dict) -> None:
@@ -290,6 +304,9 @@ def print_masks(result: dict) -> None:
     for name, m in result["median_s"].items():
         print(f"{name:<32} | {m['default'] * 1e3:>14.2f} {m['native'] * 1e3:>10.2f} "
               f"{m['default'] / m['native']:>7.1f}x")
+    fused = result["nonzeros_decode_median_s"]
+    print(f"nonzeros decode + scatter, native: two ops {fused['two ops'] * 1e3:.2f} ms, "
+          f"one op {fused['one op'] * 1e3:.2f} ms ({fused['two ops'] / fused['one op']:.1f}x)")
 
 
 def print_row(row: dict) -> None:
