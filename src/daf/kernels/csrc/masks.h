@@ -282,21 +282,28 @@ inline void scatter8(const U* values, int64_t k, int64_t top, uint8_t b, int m, 
   }
 }
 
-// out[j] = the next of `values` where bit j is set, +0 elsewhere. Returns the mask's count of set
-// bits; when it is not `count` (the record and its mask disagree) nothing is written.
-template <typename U>
-int64_t scatter(const U* values, int64_t count, const uint8_t* bits, int64_t n, U* out) {
+// offset[u]: the set bits of the mask's n elements before unit u (units(n) + 1 entries; the last is
+// the total). The padding bits of the last byte count not.
+inline std::vector<int64_t> unit_offsets(const uint8_t* bits, int64_t n) {
   std::vector<int64_t> offset(units(n) + 1, 0);
   at::parallel_for(0, units(n), kGrainUnits, [&](int64_t first, int64_t last) {
     for (int64_t u = first; u < last; ++u) {
       const int64_t begin = u * kUnit / 8, end = (std::min(n, (u + 1) * kUnit) + 7) / 8;
       int64_t ones = 0;
       for (int64_t b = begin; b < end; ++b) ones += __builtin_popcount(bits[b]);
-      if (end * 8 > n) ones -= __builtin_popcount(bits[end - 1] >> (n % 8));  // the padding's bits count not
+      if (end * 8 > n) ones -= __builtin_popcount(bits[end - 1] >> (n % 8));
       offset[u + 1] = ones;
     }
   });
   for (int64_t u = 0; u < units(n); ++u) offset[u + 1] += offset[u];
+  return offset;
+}
+
+// out[j] = the next of `values` where bit j is set, +0 elsewhere. Returns the mask's count of set
+// bits; when it is not `count` (the record and its mask disagree) nothing is written.
+template <typename U>
+int64_t scatter(const U* values, int64_t count, const uint8_t* bits, int64_t n, U* out) {
+  const std::vector<int64_t> offset = unit_offsets(bits, n);
   if (offset[units(n)] != count) return offset[units(n)];
   if (count == 0) {  // all zeros; and `values` may not even have an address to read
     std::memset(out, 0, n * sizeof(U));

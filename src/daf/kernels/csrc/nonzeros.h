@@ -39,17 +39,7 @@ int64_t decode_scatter(const uint8_t* payload, Layout layout, const uint8_t* bit
   using masks::kUnit;
   using masks::units;
   const int64_t count = layout.numel;
-  std::vector<int64_t> offset(units(n) + 1, 0);
-  at::parallel_for(0, units(n), masks::kGrainUnits, [&](int64_t first, int64_t last) {
-    for (int64_t u = first; u < last; ++u) {
-      const int64_t begin = u * kUnit / 8, end = (std::min(n, (u + 1) * kUnit) + 7) / 8;
-      int64_t ones = 0;
-      for (int64_t b = begin; b < end; ++b) ones += __builtin_popcount(bits[b]);
-      if (end * 8 > n) ones -= __builtin_popcount(bits[end - 1] >> (n % 8));  // the padding's bits count not
-      offset[u + 1] = ones;
-    }
-  });
-  for (int64_t u = 0; u < units(n); ++u) offset[u + 1] += offset[u];
+  const std::vector<int64_t> offset = masks::unit_offsets(bits, n);
   if (offset[units(n)] != count) return offset[units(n)];
   at::parallel_for(0, units(n), masks::kGrainUnits, [&](int64_t first, int64_t last) {
     // a unit's values, from the 64-aligned one before its first, and 8 lanes of room past the last
