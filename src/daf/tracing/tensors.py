@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorTable", "tensor_key", "parameter_storages", "is_parameter", "cast_of_parameter"]
+__all__ = ["TensorTable", "tensor_key", "parameter_storages", "is_parameter", "cast_of_parameter", "parameter_of_cast",
+           "is_dense"]
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
@@ -76,3 +77,39 @@ def cast_of_parameter(tensor: torch.Tensor) -> bool:
         if node is not None and type(node).__name__ == "AccumulateGrad":
             return True
     return False
+
+
+def parameter_of_cast(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The parameter ``tensor`` is an exact cast of, re-viewed (autocast's bf16 copy of a weight, transposed
+    for a matmul), when recasting the parameter into the copy's layout and re-viewing it with ``tensor``'s
+    size, strides and offset gives ``tensor`` bit for bit; else None. That holds when the copy (the view's
+    base) is made by one ``ToCopyBackward0`` straight from a leaf (found through autograd's public
+    ``AccumulateGrad.variable``), has not been changed since (version 0: a change in place, even under
+    no_grad, bumps it) and is dense from offset 0 in a storage of exactly its elements. A clone, a view
+    before the cast or any computation keeps the answer None. O(ndim)."""
+    base = tensor if tensor._base is None else tensor._base
+    node = base.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0" or base._version != 0:
+        return None
+    leaf = node.next_functions[0][0] if len(node.next_functions) == 1 else None
+    if leaf is None or type(leaf).__name__ != "AccumulateGrad":
+        return None
+    parameter = leaf.variable
+    if (tensor.dtype != base.dtype or not tensor.dtype.is_floating_point or tensor.is_neg()
+            or tensor.layout != torch.strided or tensor.is_meta or parameter.shape != base.shape
+            or base.storage_offset() != 0 or not is_dense(base)
+            or base.untyped_storage().nbytes() != base.numel() * base.element_size()):
+        return None
+    return parameter
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of memory, each once, in some order of its dimensions
+    (so a tensor made with its size and strides holds exactly its elements)."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(tensor.shape, tensor.stride()) if n != 1),
+                               key=lambda pair: pair[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
