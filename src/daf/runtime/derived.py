@@ -27,28 +27,26 @@ class _VersionCheck(Protocol):
 
 
 class Derived:
-    """A cast of ``parameter`` saved at ``site``, kept as the recipe to remake it: the layout of the copy
-    (the view's base), the view of it that was saved, and the parameter's version and storage then.
-    ``source`` checks the saved copy itself, while it lives, as for every other save."""
+    """A cast of ``parameter`` saved at ``site``, kept as the recipe to remake it: the view of the copy that
+    was saved, and the parameter's version and storage then. ``source`` checks the saved copy itself,
+    while it lives, as for every other save."""
 
-    __slots__ = ("parameter", "version", "storage", "base_layout", "view", "dtype", "device", "site", "source")
+    __slots__ = ("parameter", "version", "storage", "view", "dtype", "device", "site", "source")
 
     def __init__(self, tensor: torch.Tensor, parameter: torch.Tensor, site: str, source: _VersionCheck) -> None:
-        base = tensor if tensor._base is None else tensor._base
         self.parameter, self.version = parameter, parameter._version
         self.storage = parameter.untyped_storage().data_ptr()
-        self.base_layout = (tuple(base.shape), tuple(base.stride()))
         self.view = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
         self.dtype, self.device, self.site, self.source = tensor.dtype, tensor.device, site, source
 
     def unpack(self) -> torch.Tensor:
         self.source.check(self.site)
         self._check_parameter()
-        shape, stride = self.base_layout
-        # empty_strided + copy_ is what Tensor.to does for a dense tensor: the same rounding, the same layout
-        copy = torch.empty_strided(shape, stride, dtype=self.dtype, device=self.device)
-        copy.copy_(self.parameter.detach())
-        return copy.as_strided(*self.view)
+        parameter = self.parameter.detach()
+        # The copy holds the parameter's elements in its memory order (parameter_of_cast checked): cast that
+        # block, as Tensor.to did, and view it as the saved tensor was.
+        block = parameter.as_strided((parameter.numel(),), (1,), parameter.storage_offset())
+        return block.to(device=self.device, dtype=self.dtype, copy=True).as_strided(*self.view)
 
     def _check_parameter(self) -> None:
         parameter = self.parameter

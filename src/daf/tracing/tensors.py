@@ -79,33 +79,54 @@ def cast_of_parameter(tensor: torch.Tensor) -> bool:
     return False
 
 
+# Views that rearrange every element of their input once (no slice, expand or as_strided): a cast of
+# such a view of a dense parameter holds the parameter's elements in the parameter's memory order.
+_REARRANGING_VIEWS = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                                "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
+                                "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2"})
+
+
 def parameter_of_cast(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The parameter ``tensor`` is an exact cast of, re-viewed (autocast's bf16 copy of a weight, transposed
-    for a matmul), when recasting the parameter into the copy's layout and re-viewing it with ``tensor``'s
-    size, strides and offset gives ``tensor`` bit for bit; else None. That holds when the copy (the view's
-    base) is made by one ``ToCopyBackward0`` straight from a leaf (found through autograd's public
-    ``AccumulateGrad.variable``), has not been changed since (version 0: a change in place, even under
-    no_grad, bumps it) and is dense from offset 0 in a storage of exactly its elements. A clone, a view
-    before the cast or any computation keeps the answer None. O(ndim)."""
+    """The parameter (a leaf that requires grad) that ``tensor`` is an exact cast of, re-viewed: autocast's
+    bf16 copy of a weight, transposed for a matmul; else None.
+
+    When it is one, the copy (``tensor``'s base) holds the cast of the parameter's elements in the
+    parameter's memory order, so casting the parameter's block of memory and viewing it with ``tensor``'s
+    size, strides and offset gives ``tensor`` bit for bit. That holds when the copy is made by one
+    ``ToCopyBackward0`` of the dense parameter or of a view that rearranges it (``w.t().to(...)``:
+    ``Tensor.to`` keeps a dense input's strides), found through autograd's public ``AccumulateGrad.variable``;
+    when the copy is unchanged since (version 0: a change in place, even under no_grad, bumps it); and
+    when it is dense from offset 0 in a storage of exactly its elements. A clone, a slice, a cast of a
+    cast or any computation keeps the answer None. O(ndim + a few nodes)."""
     base = tensor if tensor._base is None else tensor._base
     node = base.grad_fn
     if node is None or type(node).__name__ != "ToCopyBackward0" or base._version != 0:
         return None
-    leaf = node.next_functions[0][0] if len(node.next_functions) == 1 else None
-    if leaf is None or type(leaf).__name__ != "AccumulateGrad":
-        return None
-    parameter = leaf.variable
-    if (tensor.dtype != base.dtype or not tensor.dtype.is_floating_point or tensor.is_neg()
-            or tensor.layout != torch.strided or tensor.is_meta or parameter.shape != base.shape
+    parameter = _leaf_under_views(node)
+    if (parameter is None or tensor.dtype != base.dtype or not tensor.dtype.is_floating_point or tensor.is_neg()
+            or tensor.layout != torch.strided or tensor.is_meta or parameter.layout != torch.strided
+            or parameter.numel() != base.numel() or not is_dense(parameter)
             or base.storage_offset() != 0 or not is_dense(base)
             or base.untyped_storage().nbytes() != base.numel() * base.element_size()):
         return None
     return parameter
 
 
+def _leaf_under_views(node: Any) -> torch.Tensor | None:
+    """The leaf tensor that ``node`` (a ``ToCopyBackward0``) reads through rearranging views only, or None."""
+    for _ in range(_MAX_COPIES):
+        node = node.next_functions[0][0] if len(node.next_functions) == 1 else None
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return node.variable
+        if name not in _REARRANGING_VIEWS:
+            return None
+    return None
+
+
 def is_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill a block of memory, each once, in some order of its dimensions
-    (so a tensor made with its size and strides holds exactly its elements)."""
+    """Whether ``tensor``'s elements fill a block of memory from its offset, each once, in some order of its
+    dimensions (what ``Tensor.to`` keeps the strides of)."""
     expected = 1
     for size, stride in sorted(((n, s) for n, s in zip(tensor.shape, tensor.stride()) if n != 1),
                                key=lambda pair: pair[1]):
