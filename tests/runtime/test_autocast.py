@@ -176,6 +176,7 @@ def test_derived_copies_with_background_packing_and_retain_graph():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = model(x).float().square().sum()
     y.backward(retain_graph=True)
+    assert daf.report(model).totals()["sites"]["derived"] == 3
     first = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     y.backward()  # the copies are derived again

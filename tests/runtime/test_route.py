@@ -14,6 +14,11 @@ def _history(x: torch.Tensor) -> torch.Tensor:
     return x + 0 * W.sum()
 
 
+def _changed(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return x.mul_(2)
+
+
 def relu_out():
     return torch.relu(_history(torch.randn(64, 64)))
 
@@ -29,6 +34,10 @@ RELU = OpCall(torch.relu, (), {})
 TABLE = [
     # (name, tensor, context, expected)
     ("parameter", lambda: W, _context(is_parameter=True), Encoding(Kind.PARAMETER)),
+    ("autocast's copy of a weight, transposed", lambda: W.to(torch.bfloat16).t(), _context(), Encoding(Kind.DERIVED)),
+    ("a cast of a transposed weight", lambda: W.t().to(torch.float16), _context(), Encoding(Kind.DERIVED)),
+    ("a clone of the copy", lambda: W.to(torch.bfloat16).clone(), _context(), Encoding(Kind.RAW)),
+    ("a copy changed since, under no_grad", lambda: _changed(W.to(torch.bfloat16)), _context(), Encoding(Kind.RAW)),
     ("relu's own save", relu_out, _context(op=RELU), Encoding(Kind.RELU_MASK, 1, "relu_mask")),
     ("relu's save, masks off", relu_out, _context(op=RELU, masks=False), Encoding(Kind.CODES, 2, "codes")),
     ("no history", lambda: torch.randn(64, 64), _context(), Encoding(Kind.RAW)),
