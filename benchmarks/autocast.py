@@ -1,0 +1,150 @@
+"""Autocast's weight copies, derived instead of kept: one training step of MiniLM under bf16 autocast.
+
+Under ``torch.autocast`` every matmul saves the bf16 copy of its weight for backward. DAF used to keep
+those copies raw; now it derives them from the fp32 parameters in backward and stores nothing
+(``daf.runtime.derived``). This measures one step at batch 32 (tweets of the minilm-tweets workload,
+at most 64 tokens) on the pretrained MiniLM-L6 of that workload, in two setups: as the workload trains
+it (LoRA r=8 on query/value, the head; the base weights are frozen) and fully fine-tuned (every weight
+trains). Arms, each in a fresh process, one warm-up step then the measured step on the same batch:
+
+- ``fp32``: no autocast, no DAF (the reference gradient);
+- ``autocast``: bf16 autocast, no DAF;
+- ``daf2-before``: bf16 autocast, DAF 2 bits, the weight copies kept raw (the routing before
+  derivation, restored by turning ``parameter_of_cast`` off);
+- ``daf2-after``: bf16 autocast, DAF 2 bits, the weight copies derived.
+
+Figures: DAF's stored bytes (``daf.report``), the step's peak RSS over the RSS at its start
+(``VmHWM`` after resetting it), and the gradient cosine against fp32 over the trainable parameters.
+
+    PYTHONPATH=src python benchmarks/autocast.py --json docs/results/autocast.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ARMS = ("fp32", "autocast", "daf2-before", "daf2-after")
+SETUPS = ("lora", "full")
+
+
+def _model(setup: str, workload: Any) -> nn.Module:
+    """The workload's model (LoRA), or the same pretrained MiniLM with every weight trained."""
+    if setup == "lora":
+        return workload.build_model()
+    from daf.workloads.minilm_tweets import minilm_dir
+    from daf.workloads.packages import offline_transformers
+    torch.manual_seed(workload.seed)
+    model = offline_transformers().AutoModelForSequenceClassification.from_pretrained(minilm_dir(), num_labels=3)
+    return model.train()
+
+
+def _step(model: nn.Module, workload: Any, batch: dict, autocast: bool) -> None:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = workload.loss(model, batch)
+    loss.float().backward()
+
+
+def run_arm(setup: str, arm: str, batch_size: int, out: str) -> None:
+    """One arm in this process: writes its figures to ``out`` (JSON) and its gradient to ``out``.pt."""
+    import daf
+    import daf.runtime.route
+    from daf.workloads.measure import PeakRSS
+    from daf.workloads.minilm_tweets import MiniLMTweets
+
+    workload = MiniLMTweets(seed=0)
+    batch = next(iter(workload.batches(batch_size, 1)))
+    model = _model(setup, workload)
+    if arm.startswith("daf2"):
+        model = daf.wrap(model, bits=2)
+    if arm == "daf2-before":
+        daf.runtime.route.parameter_of_cast = lambda tensor: None  # the routing before derivation
+    autocast = arm != "fp32"
+    _step(model, workload, batch, autocast)  # warm-up: kernels, allocator, caches
+    peak = PeakRSS()
+    peak.reset()
+    start = time.perf_counter()
+    _step(model, workload, batch, autocast)
+    seconds = time.perf_counter() - start
+    figures: dict[str, Any] = {"setup": setup, "arm": arm, "step_peak_rss_over_start": peak.peak() - peak.start,
+                               "peak_rss": peak.peak(), "rss_resettable": peak.resettable, "step_s": seconds,
+                               "tokens": list(batch["input_ids"].shape)}
+    if arm.startswith("daf2"):
+        report = daf.report(model)
+        rows = [r for r in report.rows if r.kind == "derived"]
+        copies = [r for r in report.rows if r.kind == "raw" and r.source in ("TBackward0", "ToCopyBackward0")]
+        figures.update(raw_bytes=report.raw_bytes, stored_bytes=report.stored_bytes, sites=report.totals()["sites"],
+                       derived_bytes=sum(r.raw_bytes for r in rows), raw_weight_copy_bytes=sum(r.stored_bytes for r in copies))
+    gradient = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+    torch.save(gradient, out + ".pt")
+    Path(out).write_text(json.dumps(figures))
+
+
+def _arm_in_subprocess(setup: str, arm: str, batch: int, threads: int, folder: str) -> tuple[dict, torch.Tensor]:
+    out = f"{folder}/{setup}-{arm}.json"
+    subprocess.run([sys.executable, __file__, "--arm", arm, "--setup", setup, "--batch", str(batch),
+                    "--threads", str(threads), "--out", out], check=True)
+    return json.loads(Path(out).read_text()), torch.load(out + ".pt")
+
+
+def measure(batch: int, threads: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for setup in SETUPS:
+            results = {arm: _arm_in_subprocess(setup, arm, batch, threads, folder) for arm in ARMS}
+            reference = results["fp32"][1]
+            for arm, (figures, gradient) in results.items():
+                figures["cosine_vs_fp32"] = float(torch.nn.functional.cosine_similarity(gradient, reference, dim=0))
+                rows.append(figures)
+            before, after = results["daf2-before"][1], results["daf2-after"][1]
+            rows[-1]["gradient_equal_to_before"] = bool(torch.equal(before, after))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    mib = 2**20
+    lines = [f"{'setup':6} {'arm':12} {'stored MiB':>10} {'weight copies MiB':>18} {'step peak MiB':>13} "
+             f"{'cosine vs fp32':>14} {'step s':>7}"]
+    for r in rows:
+        stored = f"{r['stored_bytes'] / mib:.2f}" if "stored_bytes" in r else "-"
+        copies = (f"{r['raw_weight_copy_bytes'] / mib:.2f} raw" if r.get("raw_weight_copy_bytes")
+                  else f"{r['derived_bytes'] / mib:.2f} derived" if r.get("derived_bytes") else "-")
+        lines.append(f"{r['setup']:6} {r['arm']:12} {stored:>10} {copies:>18} "
+                     f"{r['step_peak_rss_over_start'] / mib:>13.1f} {r['cosine_vs_fp32']:>14.6f} {r['step_s']:>7.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json")
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, in a child process
+    parser.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.arm:
+        run_arm(args.setup, args.arm, args.batch, args.out)
+        return
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    rows = measure(args.batch, args.threads)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"started": started, "torch": torch.__version__, "threads": args.threads, "batch": args.batch,
+                       "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
