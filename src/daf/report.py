@@ -86,7 +86,7 @@ class Report:
         text.append(f"{'' if self.forward is None else f'forward {self.forward}: '}activations: {_size(self.raw_bytes)} raw -> {_size(self.stored_bytes)} stored "
                     f"({self.ratio:.1f}x; {self.compressed_ratio:.1f}x on compressed sites); "
                     f"{self.parameters_referenced} parameter tensors referenced, not copied"
-                    + (f"; {derived} casts of parameters derived in backward, not kept" if derived else ""))
+                    + (f"; casts of parameters derived in backward, not kept: {derived}" if derived else ""))
         for name, figures in self.sections.items():
             text.append(f"{name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
         return "\n".join(text)
