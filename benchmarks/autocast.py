@@ -57,8 +57,9 @@ def _step(model: nn.Module, workload: Any, batch: dict, autocast: bool) -> None:
 
 def run_arm(setup: str, arm: str, batch_size: int, out: str) -> None:
     """One arm in this process: writes its figures to ``out`` (JSON) and its gradient to ``out``.pt."""
+    import importlib
+
     import daf
-    import daf.runtime.route
     from daf.workloads.measure import PeakRSS
     from daf.workloads.minilm_tweets import MiniLMTweets
 
@@ -68,7 +69,8 @@ def run_arm(setup: str, arm: str, batch_size: int, out: str) -> None:
     if arm.startswith("daf2"):
         model = daf.wrap(model, bits=2)
     if arm == "daf2-before":
-        daf.runtime.route.parameter_of_cast = lambda tensor: None  # the routing before derivation
+        # the routing before derivation (the module, not the function daf.runtime re-exports under its name)
+        importlib.import_module("daf.runtime.route").parameter_of_cast = lambda tensor: None
     autocast = arm != "fp32"
     # Warm-up on 2 sequences: kernels and caches load, while the allocator keeps little of the step's
     # memory resident (a full-size warm-up would leave the measured step's peak inside retained memory).
@@ -85,8 +87,11 @@ def run_arm(setup: str, arm: str, batch_size: int, out: str) -> None:
         report = daf.report(model)
         rows = [r for r in report.rows if r.kind == "derived"]
         copies = [r for r in report.rows if r.kind == "raw" and r.source in ("TBackward0", "ToCopyBackward0")]
+        # frozen weights' copies have no autograd history: they are among these, with the input batch
+        no_history = [r for r in report.rows if r.kind == "raw" and r.source == "no history"]
         figures.update(raw_bytes=report.raw_bytes, stored_bytes=report.stored_bytes, sites=report.totals()["sites"],
-                       derived_bytes=sum(r.raw_bytes for r in rows), raw_weight_copy_bytes=sum(r.stored_bytes for r in copies))
+                       derived_bytes=sum(r.raw_bytes for r in rows), raw_weight_copy_bytes=sum(r.stored_bytes for r in copies),
+                       raw_no_history_bytes=sum(r.stored_bytes for r in no_history))
     gradient = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
     torch.save(gradient, out + ".pt")
     Path(out).write_text(json.dumps(figures))
@@ -115,13 +120,14 @@ def measure(batch: int, threads: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     mib = 2**20
-    lines = [f"{'setup':6} {'arm':12} {'stored MiB':>10} {'weight copies MiB':>18} {'step peak MiB':>13} "
-             f"{'cosine vs fp32':>14} {'step s':>7}"]
+    lines = [f"{'setup':6} {'arm':12} {'stored MiB':>10} {'weight copies MiB':>18} {'no-history raw MiB':>18} "
+             f"{'step peak MiB':>13} {'cosine vs fp32':>14} {'step s':>7}"]
     for r in rows:
         stored = f"{r['stored_bytes'] / mib:.2f}" if "stored_bytes" in r else "-"
         copies = (f"{r['raw_weight_copy_bytes'] / mib:.2f} raw" if r.get("raw_weight_copy_bytes")
                   else f"{r['derived_bytes'] / mib:.2f} derived" if r.get("derived_bytes") else "-")
-        lines.append(f"{r['setup']:6} {r['arm']:12} {stored:>10} {copies:>18} "
+        no_history = f"{r['raw_no_history_bytes'] / mib:.2f}" if "raw_no_history_bytes" in r else "-"
+        lines.append(f"{r['setup']:6} {r['arm']:12} {stored:>10} {copies:>18} {no_history:>18} "
                      f"{r['step_peak_rss_over_start'] / mib:>13.1f} {r['cosine_vs_fp32']:>14.6f} {r['step_s']:>7.2f}")
     return "\n".join(lines)
 
