@@ -208,3 +208,35 @@ def test_double_backward_through_derived_copies_is_exact():
     model = daf.wrap(copy.deepcopy(plain), bits=8, min_numel=10**9)  # everything else too small: raw
     assert all(torch.equal(a, b) for a, b in zip(run(plain), run(model)))
     assert daf.report(model).totals()["sites"]["derived"] == 3
+
+
+def _leaf(*shape: int, offset: int = 0, channels_last: bool = False) -> torch.Tensor:
+    """A leaf that requires grad, with values that round (and inf, nan, a denormal, a value past fp16)."""
+    values = torch.randn(offset + torch.Size(shape).numel(), generator=torch.Generator().manual_seed(0))
+    values[offset:offset + 4] = torch.tensor([float("inf"), float("nan"), 1e-40, 1e6])
+    leaf = values[offset:].view(shape)
+    if channels_last:
+        leaf = leaf.contiguous(memory_format=torch.channels_last)
+    return leaf.detach().requires_grad_()
+
+
+RECASTS = {  # name -> the saved tensor, made as autocast or a module makes it
+    "transposed copy": lambda: _leaf(64, 32).to(torch.bfloat16).t(),
+    "transposed before the cast": lambda: _leaf(4, 8, 16).transpose(-1, 0).to(torch.bfloat16),
+    "permuted, then transposed after": lambda: _leaf(4, 8, 16).permute(2, 0, 1).to(torch.float16).transpose(0, 1),
+    "channels_last parameter, sliced copy": lambda: _leaf(8, 4, 3, 3, channels_last=True).to(torch.bfloat16)[:, 1:3],
+    "parameter at a storage offset": lambda: _leaf(8, 8, offset=10).to(torch.float16).t(),
+}
+
+
+@pytest.mark.parametrize("name", list(RECASTS))
+def test_the_recast_equals_the_saved_copy_bit_for_bit(name):
+    from daf.runtime.derived import Derived
+    from daf.tracing import parameter_of_cast
+
+    saved = RECASTS[name]()
+    parameter = parameter_of_cast(saved)
+    assert parameter is not None
+    recast = Derived(saved, parameter, "m#0", source=type("Unchecked", (), {"check": lambda self, site: None})()).unpack()
+    assert (recast.shape, recast.stride(), recast.dtype) == (saved.shape, saved.stride(), saved.dtype)
+    assert torch.equal(recast.detach().view(torch.int16), saved.detach().view(torch.int16))  # NaN included
