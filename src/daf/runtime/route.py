@@ -5,7 +5,7 @@ In order (the first that holds decides):
 1. a parameter or buffer (or a view of one): referenced, never copied; an exact cast of a parameter
    (autocast's bf16 copy of a weight, or a view of it): derived, nothing stored, since autograd keeps
    the parameter anyway and backward recasts it (``daf.runtime.derived``); another cast of one (a
-   clone of the copy, a cast of a slice): kept raw, since coarse codes of a weight spoil every input
+   clone of the copy, a cast to another memory format): kept raw, since coarse codes of a weight spoil every input
    gradient;
 2. ReLU's own save of its output, with masks on: an exact 1-bit mask (``relu_mask``);
 3. not compressible (no autograd history, not floating point, small, sparse, meta, float64
