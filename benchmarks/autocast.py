@@ -13,9 +13,10 @@ trains). Arms, each in a fresh process, a warm-up step on 2 of the sequences, th
   derivation, restored by turning ``parameter_of_cast`` off);
 - ``daf2-after``: bf16 autocast, DAF 2 bits, the weight copies derived.
 
-Figures: DAF's stored bytes (``daf.report``), the step's peak of live tensor bytes over its start (from
-``torch.profiler``'s memory events: RSS after a warm-up hides what the step reuses from the allocator; the
-JSON has the RSS figures too), and the gradient cosine against fp32 over the trainable parameters.
+Figures: DAF's stored bytes (``daf.report``); from ``torch.profiler``'s memory events, the tensor bytes
+allocated in the step that are alive when backward starts (what forward leaves for backward) and their
+peak over the step (RSS after a warm-up hides what the step reuses from the allocator; the JSON has the
+RSS figures too); and the gradient cosine against fp32 over the trainable parameters.
 
     PYTHONPATH=src python benchmarks/autocast.py --json docs/results/autocast.json
 """
@@ -36,6 +37,7 @@ from torch import nn
 
 ARMS = ("fp32", "autocast", "daf2-before", "daf2-after")
 SETUPS = ("lora", "full")
+_BACKWARD = "autocast-bench-backward"  # marks where forward ends in the profile
 
 
 def _model(setup: str, workload: Any) -> nn.Module:
@@ -53,7 +55,8 @@ def _step(model: nn.Module, workload: Any, batch: dict, autocast: bool) -> None:
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = workload.loss(model, batch)
-    loss.float().backward()
+    with torch.profiler.record_function(_BACKWARD):
+        loss.float().backward()
 
 
 def run_arm(setup: str, arm: str, batch_size: int, out: str) -> None:
@@ -82,7 +85,9 @@ def run_arm(setup: str, arm: str, batch_size: int, out: str) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
         _step(model, workload, batch, autocast)
     seconds = time.perf_counter() - start
-    figures: dict[str, Any] = {"setup": setup, "arm": arm, "step_peak_tensor_bytes": _peak_tensor_bytes(profiler),
+    peak_tensors, held = _tensor_bytes(profiler)
+    figures: dict[str, Any] = {"setup": setup, "arm": arm, "step_peak_tensor_bytes": peak_tensors,
+                               "held_after_forward_bytes": held,
                                "step_peak_rss_over_start": peak.peak() - peak.start, "peak_rss": peak.peak(),
                                "rss_resettable": peak.resettable, "step_s": seconds,
                                "tokens": list(batch["input_ids"].shape)}
@@ -100,17 +105,21 @@ def run_arm(setup: str, arm: str, batch_size: int, out: str) -> None:
     Path(out).write_text(json.dumps(figures))
 
 
-def _peak_tensor_bytes(profiler: Any) -> int:
-    """The most bytes of tensors allocated in the profiled step and alive at once, over its start: what the
-    step itself needs, whatever the allocator keeps resident (RSS after a warm-up hides memory the step
-    reuses from it)."""
-    events = sorted((e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+def _tensor_bytes(profiler: Any) -> tuple[int, int]:
+    """From the profiled step's memory events: the most bytes of tensors allocated in the step and alive at
+    once (what the step needs, whatever the allocator keeps resident: RSS after a warm-up hides memory the
+    step reuses), and those alive when backward starts (what forward leaves for backward: activations,
+    DAF's records, the weight copies autograd holds)."""
+    events = list(profiler.profiler.kineto_results.events())
+    backward = min(e.start_ns() for e in events if e.name() == _BACKWARD)
     live = peak = 0
-    for event in events:
+    at_backward = None
+    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        if event.start_ns() >= backward and at_backward is None:
+            at_backward = live
         live += event.nbytes()
         peak = max(peak, live)
-    return peak
+    return peak, live if at_backward is None else at_backward
 
 
 def _arm_in_subprocess(setup: str, arm: str, batch: int, threads: int, folder: str) -> tuple[dict, torch.Tensor]:
@@ -138,14 +147,14 @@ def measure(batch: int, threads: int) -> list[dict]:
 def table(rows: list[dict]) -> str:
     mib = 2**20
     lines = [f"{'setup':6} {'arm':12} {'stored MiB':>10} {'weight copies MiB':>18} {'no-history raw MiB':>18} "
-             f"{'step peak MiB':>13} {'cosine vs fp32':>14} {'step s':>7}"]  # peak: tensors, torch.profiler
+             f"{'held at backward MiB':>20} {'step peak MiB':>13} {'cosine vs fp32':>14} {'step s':>7}"]
     for r in rows:
         stored = f"{r['stored_bytes'] / mib:.2f}" if "stored_bytes" in r else "-"
         copies = (f"{r['raw_weight_copy_bytes'] / mib:.2f} raw" if r.get("raw_weight_copy_bytes")
                   else f"{r['derived_bytes'] / mib:.2f} derived" if r.get("derived_bytes") else "-")
         no_history = f"{r['raw_no_history_bytes'] / mib:.2f}" if "raw_no_history_bytes" in r else "-"
         lines.append(f"{r['setup']:6} {r['arm']:12} {stored:>10} {copies:>18} {no_history:>18} "
-                     f"{r['step_peak_tensor_bytes'] / mib:>13.1f} {r['cosine_vs_fp32']:>14.6f} {r['step_s']:>7.2f}")
+                     f"{r['held_after_forward_bytes'] / mib:>20.1f} {r['step_peak_tensor_bytes'] / mib:>13.1f} {r['cosine_vs_fp32']:>14.6f} {r['step_s']:>7.2f}")
     return "\n".join(lines)
 
 
