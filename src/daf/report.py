@@ -14,8 +14,10 @@ class SiteRow:
 
     ``kind`` is "compressed", "mask" (stored exactly as one bit per element: ReLU's own
     saved output, dropout masks and other two-valued tensors; ``bits`` is 1), "raw" (kept
-    as it is: too small, not floating point, or the policy chose so) or "shared" (the
-    same tensor saved again by another op; stored once, so its bytes count zero here).
+    as it is: too small, not floating point, or the policy chose so), "shared" (the
+    same tensor saved again by another op; stored once, so its bytes count zero here) or "derived"
+    (autocast's cast of a parameter: nothing stored, recast from the parameter in backward; its raw
+    bytes are the copy that autograd would have kept).
     """
 
     site: str
@@ -60,7 +62,8 @@ class Report:
         return sum(r.raw_bytes for r in rows) / stored if stored else 1.0
 
     def totals(self) -> dict[str, Any]:
-        counts = {kind: sum(r.kind == kind for r in self.rows) for kind in ("compressed", "mask", "raw", "shared")}
+        counts = {kind: sum(r.kind == kind for r in self.rows)
+                  for kind in ("compressed", "mask", "raw", "shared", "derived")}
         return {"raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes, "ratio": self.ratio,
                 "sites": counts, "parameters_referenced": self.parameters_referenced, "forward": self.forward}
 
@@ -79,9 +82,11 @@ class Report:
         text.append("")
         if self.forward is None:
             text.append("no forward seen yet in training mode with grad enabled: nothing was compressed")
+        derived = sum(r.kind == "derived" for r in self.rows)
         text.append(f"{'' if self.forward is None else f'forward {self.forward}: '}activations: {_size(self.raw_bytes)} raw -> {_size(self.stored_bytes)} stored "
                     f"({self.ratio:.1f}x; {self.compressed_ratio:.1f}x on compressed sites); "
-                    f"{self.parameters_referenced} parameter tensors referenced, not copied")
+                    f"{self.parameters_referenced} parameter tensors referenced, not copied"
+                    + (f"; casts of parameters derived in backward, not kept: {derived}" if derived else ""))
         for name, figures in self.sections.items():
             text.append(f"{name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
         return "\n".join(text)

@@ -7,11 +7,18 @@ from daf.runtime import Context, Encoding, Kind, route
 from daf.tracing import OpCall
 
 W = torch.randn(64, 64, requires_grad=True)
+W3 = torch.randn(4, 8, 16, requires_grad=True)
+W4 = torch.randn(8, 4, 3, 3, requires_grad=True)
 
 
 def _history(x: torch.Tensor) -> torch.Tensor:
     """``x`` with autograd history (a grad_fn), the values unchanged."""
     return x + 0 * W.sum()
+
+
+def _changed(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return x.mul_(2)
 
 
 def relu_out():
@@ -29,6 +36,17 @@ RELU = OpCall(torch.relu, (), {})
 TABLE = [
     # (name, tensor, context, expected)
     ("parameter", lambda: W, _context(is_parameter=True), Encoding(Kind.PARAMETER)),
+    ("autocast's copy of a weight, transposed", lambda: W.to(torch.bfloat16).t(), _context(), Encoding(Kind.DERIVED)),
+    ("a cast of a transposed weight", lambda: W.t().to(torch.float16), _context(), Encoding(Kind.DERIVED)),
+    ("a cast of a transposed 3-d weight", lambda: W3.transpose(-1, 0).to(torch.bfloat16), _context(),
+     Encoding(Kind.DERIVED)),
+    ("a cast of a permuted 3-d weight", lambda: W3.permute(2, 0, 1).to(torch.bfloat16).transpose(0, 1), _context(), Encoding(Kind.DERIVED)),
+    ("a cast to channels_last: another memory order", lambda: W4.to(torch.bfloat16, memory_format=torch.channels_last),
+     _context(), Encoding(Kind.RAW)),
+    ("a cast of a reshaped weight: not replayable", lambda: W.view(32, 128).to(torch.bfloat16), _context(),
+     Encoding(Kind.RAW)),
+    ("a clone of the copy", lambda: W.to(torch.bfloat16).clone(), _context(), Encoding(Kind.RAW)),
+    ("a copy changed since, under no_grad", lambda: _changed(W.to(torch.bfloat16)), _context(), Encoding(Kind.RAW)),
     ("relu's own save", relu_out, _context(op=RELU), Encoding(Kind.RELU_MASK, 1, "relu_mask")),
     ("relu's save, masks off", relu_out, _context(op=RELU, masks=False), Encoding(Kind.CODES, 2, "codes")),
     ("no history", lambda: torch.randn(64, 64), _context(), Encoding(Kind.RAW)),

@@ -14,7 +14,7 @@ from daf.tracing import TensorTable
 __all__ = ["Accounting"]
 
 _ROW_KIND = {Kind.RAW: "raw", Kind.SHARED: "shared", Kind.MASK: "mask", Kind.RELU_MASK: "mask",
-             Kind.NONZEROS: "compressed", Kind.CODES: "compressed"}
+             Kind.NONZEROS: "compressed", Kind.CODES: "compressed", Kind.DERIVED: "derived"}
 
 
 class Accounting:

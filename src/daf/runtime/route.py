@@ -2,8 +2,11 @@
 
 In order (the first that holds decides):
 
-1. a parameter or buffer (or a view of one): referenced, never copied; a cast of one (autocast's
-   bf16 copy of a weight): kept raw, since coarse codes of a weight spoil every input gradient;
+1. a parameter or buffer (or a view of one): referenced, never copied; an exact cast of a parameter
+   (autocast's bf16 copy of a weight, or a view of it): derived, nothing stored, since autograd keeps
+   the parameter anyway and backward recasts it (``daf.runtime.derived``); another cast of one (a
+   clone of the copy, a cast to another memory format): kept raw, since coarse codes of a weight spoil every input
+   gradient;
 2. ReLU's own save of its output, with masks on: an exact 1-bit mask (``relu_mask``);
 3. not compressible (no autograd history, not floating point, small, sparse, meta, float64
    magnitudes the codes cannot carry): an exact mask if it holds two values, else kept raw;
@@ -30,13 +33,14 @@ import torch
 from daf.codec.mask import MASK_DTYPES, two_values
 from daf.codec.nonzeros import nonzeros_of
 from daf.format import FLOAT_DTYPES
-from daf.tracing import OpCall, cast_of_parameter
+from daf.tracing import OpCall, cast_of_parameter, parameter_of_cast
 
 __all__ = ["Kind", "Encoding", "Context", "route"]
 
 
 class Kind(enum.Enum):
     PARAMETER = "parameter"
+    DERIVED = "derived"
     RAW = "raw"
     SHARED = "shared"
     RELU_MASK = "relu_mask"
@@ -54,7 +58,8 @@ class Kind(enum.Enum):
 class Encoding:
     """How one saved tensor is kept: ``kind``, code width ``bits`` (1 for masks, None when not
     stored), the registry name of its ``codec``, and the two ``values`` of a mask. ``data`` is what
-    the codec encodes when it is not the tensor itself (the nonzeros); it takes no part in equality."""
+    the codec encodes when it is not the tensor itself (the nonzeros), or for a derived save the parameter it is
+    derived from; it takes no part in equality."""
 
     kind: Kind
     bits: int | None = None
@@ -91,6 +96,9 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
     """The encoding of ``tensor`` saved at ``context.site`` (the rules in the module docstring)."""
     if context.is_parameter:
         return PARAMETER
+    parameter = parameter_of_cast(tensor)
+    if parameter is not None:
+        return Encoding(Kind.DERIVED, data=parameter)
     if cast_of_parameter(tensor):
         return RAW
     if context.masks and context.op is not None and context.op.is_relu and is_relu_result(tensor):

@@ -20,6 +20,7 @@ from daf.policy.exponent_guard import guarded_bits
 from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
+from daf.runtime.derived import Derived
 from daf.runtime.route import Context, Encoding, Kind, route
 from daf.tracing import OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, parameter_storages
 from daf.tracing.threads import PerThreadStack
@@ -173,6 +174,8 @@ class Session:
             return self._encode_and_put(encoding, tensor, context)
         if encoding.kind is Kind.SHARED:
             return context.shared, 0
+        if encoding.kind is Kind.DERIVED:
+            return Derived(tensor, encoding.data, context.site, _Source(tensor)), 0
         return (_Kept(tensor, context.site),
                 tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0)
 
@@ -221,7 +224,7 @@ class Session:
             op.saves.append((site, tensor))
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, _Kept):
+        if isinstance(saved, (_Kept, Derived)):
             return saved.unpack()
         saved.source.check(saved.site)
         recent = self._recent

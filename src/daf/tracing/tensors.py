@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorTable", "tensor_key", "parameter_storages", "is_parameter", "cast_of_parameter"]
+__all__ = ["TensorTable", "tensor_key", "parameter_storages", "is_parameter", "cast_of_parameter", "parameter_of_cast",
+           "is_dense"]
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
@@ -76,3 +77,94 @@ def cast_of_parameter(tensor: torch.Tensor) -> bool:
         if node is not None and type(node).__name__ == "AccumulateGrad":
             return True
     return False
+
+
+# Views that rearrange the dimensions of their input, replayed from what their nodes save (a view node
+# that does not save its arguments, such as ViewBackward0, cannot be replayed: such casts stay raw).
+_REARRANGING_VIEWS = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
+
+
+def parameter_of_cast(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The parameter (a leaf that requires grad) that ``tensor`` is an exact cast of, re-viewed: autocast's
+    bf16 copy of a weight, transposed for a matmul; else None.
+
+    When it is one, the copy (``tensor``'s base) holds the cast of the parameter's elements in the
+    parameter's memory order, so casting the parameter's block of memory and viewing it with ``tensor``'s
+    size, strides and offset gives ``tensor`` bit for bit. That holds when the copy is made by one
+    ``ToCopyBackward0`` of the dense parameter, or of a transpose or permute of it (found through
+    autograd's public ``AccumulateGrad.variable``), with the strides of what it cast (``Tensor.to`` keeps
+    a dense input's strides; ``memory_format=`` changes them); when the copy is unchanged since (version 0:
+    a change in place, even under no_grad, bumps it); and when it is dense from offset 0 in a storage of
+    exactly its elements. A clone, a slice, a cast of a cast or any computation keeps the answer None.
+    O(ndim * a few nodes)."""
+    base = tensor if tensor._base is None else tensor._base
+    node = base.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0" or base._version != 0:
+        return None
+    found = _cast_input(node)
+    if found is None:
+        return None
+    parameter, views = found
+    if (tensor.dtype != base.dtype or not tensor.dtype.is_floating_point or tensor.is_neg()
+            or tensor.layout != torch.strided or tensor.is_meta or parameter.layout != torch.strided
+            or not is_dense(parameter) or base.storage_offset() != 0
+            or base.untyped_storage().nbytes() != base.numel() * base.element_size()
+            or not _same_layout(_replay(parameter, views), base)):
+        return None
+    return parameter
+
+
+def _cast_input(node: Any) -> tuple[torch.Tensor, list[Any]] | None:
+    """The leaf that ``node`` (a ``ToCopyBackward0``) casts, and the view nodes between them (the leaf's
+    first), or None when anything else is between them."""
+    views = []
+    for _ in range(_MAX_COPIES):
+        node = node.next_functions[0][0] if len(node.next_functions) == 1 else None
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return node.variable, views[::-1]
+        if name not in _REARRANGING_VIEWS:
+            return None
+        views.append(node)
+    return None
+
+
+def _replay(parameter: torch.Tensor, views: list[Any]) -> tuple[list[int], list[int]]:
+    """The sizes and strides of what the cast read: ``parameter`` through ``views``."""
+    sizes, strides = list(parameter.shape), list(parameter.stride())
+    for view in views:
+        name = type(view).__name__
+        order = list(range(len(sizes)))
+        if name == "PermuteBackward0":
+            order = [_dim(d, len(sizes)) for d in view._saved_dims]
+        elif len(sizes) >= 2:  # TBackward0 swaps the two dimensions of a matrix (keeps a vector), TransposeBackward0 any two
+            first, second = (0, len(sizes) - 1) if name == "TBackward0" else (view._saved_dim0, view._saved_dim1)
+            first, second = _dim(first, len(sizes)), _dim(second, len(sizes))
+            order[first], order[second] = order[second], order[first]
+        sizes, strides = [sizes[d] for d in order], [strides[d] for d in order]
+    return sizes, strides
+
+
+def _dim(saved: int, ndim: int) -> int:
+    """A dimension as a node saves it (negative ones wrapped to unsigned 64 bits), in [0, ndim)."""
+    signed = saved - 2**64 if saved >= 2**63 else saved
+    return signed % max(ndim, 1)
+
+
+def _same_layout(layout: tuple[list[int], list[int]], base: torch.Tensor) -> bool:
+    """Whether ``base`` has these sizes, and these strides wherever a size is above 1 (elsewhere a stride
+    places nothing), so that it holds its elements in the same memory order."""
+    sizes, strides = layout
+    return sizes == list(base.shape) and all(n == 1 or s == t for n, s, t in zip(sizes, strides, base.stride()))
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a block of memory from its offset, each once, in some order of its
+    dimensions (what ``Tensor.to`` keeps the strides of)."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(tensor.shape, tensor.stride()) if n != 1),
+                               key=lambda pair: pair[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

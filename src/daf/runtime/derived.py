@@ -1,0 +1,65 @@
+"""Saves that DAF derives instead of storing: autocast's cast of a parameter, recast in backward.
+
+Under ``torch.autocast`` a matmul or convolution saves the bf16 (or fp16) copy of its weight, often
+through a transpose. Autograd keeps the fp32 parameter alive anyway (its ``AccumulateGrad`` node holds
+it), and the copy is an exact function of it: the same ``copy_`` that made it, then the same view. So
+DAF keeps nothing of the copy and remakes it when backward unpacks it; the copy itself is freed after
+forward (or when autocast's weight cache is cleared) instead of living until backward.
+
+What routing checked at pack time (``daf.tracing.parameter_of_cast``) makes the recast bit-identical to
+the copy. What can still change before backward is the parameter: a change in place (an optimizer step
+between forward and backward) or new data put in (``param.data = ...``). Plain autograd would then
+silently use the old copy under autocast, and raise without autocast (it saves the parameter itself);
+DAF raises, naming the site, rather than return values that the copy never held.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+__all__ = ["Derived"]
+
+
+class _VersionCheck(Protocol):
+    def check(self, site: str) -> None: ...
+
+
+class Derived:
+    """A cast of ``parameter`` saved at ``site``, kept as the recipe to remake it: the view of the copy that
+    was saved, and the parameter's version and storage then. ``source`` checks the saved copy itself,
+    while it lives, as for every other save."""
+
+    __slots__ = ("parameter", "version", "storage", "view", "dtype", "device", "site", "source")
+
+    def __init__(self, tensor: torch.Tensor, parameter: torch.Tensor, site: str, source: _VersionCheck) -> None:
+        self.parameter, self.version = parameter, parameter._version
+        self.storage = parameter.untyped_storage().data_ptr()
+        self.view = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        self.dtype, self.device, self.site, self.source = tensor.dtype, tensor.device, site, source
+
+    def unpack(self) -> torch.Tensor:
+        self.source.check(self.site)
+        self._check_parameter()
+        parameter = self.parameter.detach()
+        # The copy holds the parameter's elements in its memory order (parameter_of_cast checked): cast that
+        # block, as Tensor.to did, and view it as the saved tensor was.
+        block = parameter.as_strided((parameter.numel(),), (1,), parameter.storage_offset())
+        return block.to(device=self.device, dtype=self.dtype, copy=True).as_strided(*self.view)
+
+    def _check_parameter(self) -> None:
+        parameter = self.parameter
+        if parameter._version != self.version:
+            what = f"was modified in place (version {parameter._version}, {self.version} at forward)"
+        elif parameter.untyped_storage().data_ptr() != self.storage:
+            what = "was given new data (parameter.data = ... or set_) since forward"
+        else:
+            return
+        raise RuntimeError(
+            f"DAF (site {self.site}): the parameter [{parameter.type()} {list(parameter.shape)}] whose "
+            f"{str(self.dtype).replace('torch.', '')} copy (autocast's cast of a weight) this op saved for backward "
+            f"{what}. DAF does not keep that copy: it recasts the parameter in backward, which would now give "
+            f"other values than the copy forward used (plain PyTorch raises here too without autocast, and under "
+            f"autocast silently uses the old copy). Change parameters after backward (loss.backward() before "
+            f"optimizer.step()), or out of place.")
