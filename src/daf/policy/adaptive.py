@@ -49,7 +49,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, average: float, group_size: int = 256, replan_every: int = 50,
                  choices: tuple[int, ...] = ALLOWED_BITS, allow_raw: bool = True, window: int = 4,
-                 smoothing: float = 0.7, min_gain: float = 0.25) -> None:
+                 smoothing: float = 0.7, min_gain: float = 0.25, trade_generic: bool = False) -> None:
         # the knobs are those of daf.Adaptive, checked there: one set of rules and messages
         Adaptive(average=average, replan_every=replan_every, window=window, smoothing=smoothing,
                  min_gain=min_gain, allow_raw=allow_raw)
@@ -60,6 +60,10 @@ class AdaptivePolicy(Policy):
         self.allow_raw = allow_raw
         self.window = window
         self.min_gain = min_gain
+        # False: a site costed by the estimator's generic model (``SiteStats.generic``) keeps the uniform
+        # width, neither cut nor raised; True trades it like the others (the plans before issue 16)
+        self.trade_generic = trade_generic
+        self.held: list[str] = []  # sites of the last plan held at the uniform width (generic, unsure estimate)
         self.estimated_gain: float | None = None
         self.fallback: str | None = None  # why the last plan is uniform bits instead of the allocator's, if it is
         # nearest allowed width (ties up): a first step at 1 bit everywhere wrecks the gradient
@@ -131,6 +135,10 @@ class AdaptivePolicy(Policy):
         if self.estimated_gain is not None:
             figures["estimated_gain_over_uniform"] = round(self.estimated_gain, 4)
         figures["uniform_fallback"] = self.fallback
+        if self.held:
+            figures["held_at_uniform"] = {"sites": len(self.held), "why": (
+                "costed by the generic model (a non-parameter consumer: norm, activation, softmax, "
+                "attention product), whose estimate is unsure; kept at the uniform width")}
         figures.update(mean_bits=round(self.plan.mean_bits, 4), estimated_variance=self.plan.cost,
                        exact=self.plan.exact, sites=counts, plan=dict(self.plan.bits))
         return figures
@@ -146,9 +154,12 @@ class AdaptivePolicy(Policy):
 
     # -- planning ----------------------------------------------------------------------------
     def replan(self) -> Plan | None:
-        """Solve the allocation from the current estimates; sites without one keep the default bits."""
-        sites = []
+        """Solve the allocation from the current estimates; sites without one keep the default bits, and
+        so do the sites the estimator costs by its generic model (``_held_width``)."""
+        sites, full = [], []
         fixed_elements = fixed_bits = 0
+        held_bits = self._held_width()
+        self.held = []
         for name, stats in self.estimator.sites.items():
             size = -(-stats.numel // self.group_size) * self.group_size
             elements = max(size, -(-stats.elements // self.group_size) * self.group_size)
@@ -161,6 +172,10 @@ class AdaptivePolicy(Policy):
                 continue
             if self.allow_raw and elements == size:  # raw keeps every element, zeros too
                 costs[stats.dtype_bits if stats.dtype_bits > max(self.choices) else RAW_BITS] = 0.0
+            full.append(Site(name, size, costs, elements))
+            if held_bits is not None and stats.generic:
+                self.held.append(name)
+                costs = {held_bits: costs[held_bits]}
             sites.append(Site(name, size, costs, elements))
         if not sites:
             return None
@@ -170,8 +185,21 @@ class AdaptivePolicy(Policy):
         plan, self.fallback = self._guard(allocate(sites, max(average, min(self.choices))), sites, average)
         self.plan = plan
         self.plans += 1
-        self._importance = _slopes(sites, plan, max(self.choices))
+        self._importance = _slopes(full, plan, max(self.choices))
         return plan
+
+    def _held_width(self) -> int | None:
+        """The width of the sites whose estimate is the generic model's, or None where they are traded.
+
+        The uniform width (the default, when it fits the average): the plan then never gives such a
+        site fewer bits than uniform would, nor spends the budget raising it on an estimate that
+        leave-one-in puts 5-1000x too high on transformers (docs/policy.md section 1). Below the
+        default (an average of 1.5) uniform is 1 bit, where these sites' errors compound: they are
+        traded then, at their compounding 1-bit cost (``COMPOUNDING``).
+        """
+        if self.trade_generic or self.default_bits > self.average:
+            return None
+        return self.default_bits
 
     def _guard(self, plan: Plan, sites: list[Site], average: float) -> tuple[Plan, str | None]:
         """``plan``, or uniform bits where the estimates cannot back it, and why (None: the plan stands).
@@ -188,11 +216,18 @@ class AdaptivePolicy(Policy):
         if not fitting:
             return plan, None
         bits = self.default_bits if self.default_bits <= average else max(fitting)
-        uniform = sum(site.costs[bits] for site in sites)
-        gain = 1 - plan.cost / uniform if uniform > 0 else 0.0
+        # the held sites are at ``bits`` in both: the gain is over the sites the plan trades
+        held = set(self.held)
+        traded = [site for site in sites if site.name not in held]
+        uniform = sum(site.costs[bits] for site in traded)
+        planned = sum(site.costs[plan.bits[site.name]] for site in traded)
+        gain = 1 - planned / uniform if uniform > 0 else 0.0
         if bits == self.default_bits:
             self.estimated_gain = gain
-        if uniform <= 0:
+        if not traded:
+            reason = (f"uniform {bits} bits: every site is costed by the generic model (a non-parameter consumer), "
+                      f"whose estimate is unsure")
+        elif uniform <= 0:
             reason = f"uniform {bits} bits: every site's estimated cost at {bits} bits is 0 (nothing to plan on)"
         elif bits == self.default_bits and gain < self.min_gain:
             reason = f"uniform {bits} bits: the plan's estimated gain {gain:.3f} is below min_gain {self.min_gain}"

@@ -68,6 +68,12 @@ class SiteStats:
     # some consumer turns the error into an error of an activation gradient, which backward carries on
     # through every layer below: at 1 bit that noise is as large as the signal and compounds
     propagates: bool = False
+    # some consumer is costed by the generic model (a non-parameter consumer: LayerNorm/RMSNorm, GELU,
+    # softmax, attention's q @ k^T, an elementwise product), which assumes the injected error keeps its
+    # relative size in every gradient upstream. Leave-one-in on random-init transformers puts it 5x to
+    # 1000x too high (a residual branch's error is small next to the stream's gradient), so the policy
+    # does not trade such a site's bits (docs/policy.md section 1, "Where the model is unsure")
+    generic: bool = False
 
 
 class ImportanceEstimator:
@@ -214,6 +220,8 @@ class ImportanceEstimator:
             step[site] = step.get(site, 0.0) + w
             if kind != "matmul" or not use["direct"]:
                 self.sites[site].propagates = True
+            if kind == "other" or (kind == "matmul" and not use["direct"]):
+                self.sites[site].generic = True
         self._uses = []
         for site, w in step.items():
             stats = self.sites[site]
