@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import statistics
@@ -169,9 +170,8 @@ def measure(arch: Arch, configs: dict[str, daf.Config], warmup: int, outliers: i
         if isinstance(config.policy, KindBits):
             config = config.replace(policy=KindBits(config.policy.low_kind, config.policy.low, config.policy.high,
                                                     kinds))
-        if isinstance(config.policy, daf.Adaptive):
-            config = config.replace(policy=daf.Adaptive(average=config.policy.average, replan_every=warmup,
-                                                        window=warmup))
+        if hasattr(config.policy, "replan_every"):  # daf.Adaptive, AdaptiveGeneric
+            config = config.replace(policy=dataclasses.replace(config.policy, replan_every=warmup, window=warmup))
             daf.wrap(model, config)
             for _ in range(warmup):
                 _gradient(model, arch, batch)

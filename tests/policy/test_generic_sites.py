@@ -19,9 +19,9 @@ from daf.policy.importance import SiteStats
 _VARIANCE = torch.tensor([1.0, 0.1, 0.005, 2e-5], dtype=torch.float64)  # V(b) at 1, 2, 4, 8 bits
 
 
-def _policy(generic_weight: float, trade_generic: bool = False) -> AdaptivePolicy:
+def _policy(generic_weight: float, generic: str = "hold") -> AdaptivePolicy:
     """A huge generic-model site and two parameter-product sites, one cheap and one dear."""
-    policy = AdaptivePolicy(2.0, allow_raw=False, trade_generic=trade_generic)
+    policy = AdaptivePolicy(2.0, allow_raw=False, generic=generic)
     for name, numel, weight, generic in (("norm", 4096, generic_weight, True), ("cheap", 8192, 0.01, False),
                                          ("dear", 4096, 100.0, False)):
         policy.estimator.sites[name] = SiteStats(numel=numel, elements=numel, weight=weight, steps=1,
@@ -45,8 +45,26 @@ def test_the_summary_says_which_sites_were_held_and_why():
 
 
 def test_trading_generic_sites_is_the_old_behaviour():
-    plan = _policy(generic_weight=1e6, trade_generic=True).replan()
+    plan = _policy(generic_weight=1e6, generic="trade").replan()
     assert plan.bits["norm"] == 4
+
+
+def test_floor_raises_a_generic_site_but_never_cuts_it():
+    raised = _policy(generic_weight=1e6, generic="floor").replan()
+    assert raised.bits["norm"] == 4
+    policy = _policy(generic_weight=1e-9, generic="floor")
+    policy.estimator.sites["dear"].numel = policy.estimator.sites["dear"].elements = 6144
+    assert policy.replan().bits["norm"] == 2
+    # "trade" cuts such a cheap site to 1 bit to pay for the dear one's 4
+    policy = _policy(generic_weight=1e-9, generic="trade")
+    policy.estimator.sites["dear"].numel = policy.estimator.sites["dear"].elements = 6144
+    plan = policy.replan()
+    assert plan.bits["norm"] == 1 and plan.bits["dear"] == 4
+
+
+def test_an_unknown_generic_mode_is_refused():
+    with pytest.raises(ValueError, match="generic must be one of"):
+        AdaptivePolicy(2.0, generic="sometimes")
 
 
 def test_only_generic_sites_fall_back_to_uniform_and_say_why():

@@ -36,7 +36,9 @@ from daf.policy.importance import ImportanceEstimator
 from daf.policy.uniform import Policy
 from daf.tracing import OpCall
 
-__all__ = ["AdaptivePolicy"]
+__all__ = ["AdaptivePolicy", "GENERIC_MODES"]
+
+GENERIC_MODES = ("hold", "floor", "trade")
 
 
 class AdaptivePolicy(Policy):
@@ -49,7 +51,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, average: float, group_size: int = 256, replan_every: int = 50,
                  choices: tuple[int, ...] = ALLOWED_BITS, allow_raw: bool = True, window: int = 4,
-                 smoothing: float = 0.7, min_gain: float = 0.25, trade_generic: bool = False) -> None:
+                 smoothing: float = 0.7, min_gain: float = 0.25, generic: str = "hold") -> None:
         # the knobs are those of daf.Adaptive, checked there: one set of rules and messages
         Adaptive(average=average, replan_every=replan_every, window=window, smoothing=smoothing,
                  min_gain=min_gain, allow_raw=allow_raw)
@@ -60,9 +62,12 @@ class AdaptivePolicy(Policy):
         self.allow_raw = allow_raw
         self.window = window
         self.min_gain = min_gain
-        # False: a site costed by the estimator's generic model (``SiteStats.generic``) keeps the uniform
-        # width, neither cut nor raised; True trades it like the others (the plans before issue 16)
-        self.trade_generic = trade_generic
+        # a site costed by the estimator's generic model (``SiteStats.generic``): "hold" keeps it at the
+        # uniform width, neither cut nor raised; "floor" may raise it, never cut it; "trade" trades it like
+        # the others (the plans before issue 16)
+        if generic not in GENERIC_MODES:
+            raise ValueError(f"generic must be one of {GENERIC_MODES}, got {generic!r}")
+        self.generic = generic
         self.held: list[str] = []  # sites of the last plan held at the uniform width (generic, unsure estimate)
         self.estimated_gain: float | None = None
         self.fallback: str | None = None  # why the last plan is uniform bits instead of the allocator's, if it is
@@ -136,9 +141,10 @@ class AdaptivePolicy(Policy):
             figures["estimated_gain_over_uniform"] = round(self.estimated_gain, 4)
         figures["uniform_fallback"] = self.fallback
         if self.held:
-            figures["held_at_uniform"] = {"sites": len(self.held), "why": (
+            figures["held_at_uniform"] = {"sites": len(self.held), "mode": self.generic, "why": (
                 "costed by the generic model (a non-parameter consumer: norm, activation, softmax, "
-                "attention product), whose estimate is unsure; kept at the uniform width")}
+                "attention product), whose estimate is unsure; never below the uniform width"
+                + ("" if self.generic == "floor" else ", nor above"))}
         figures.update(mean_bits=round(self.plan.mean_bits, 4), estimated_variance=self.plan.cost,
                        exact=self.plan.exact, sites=counts, plan=dict(self.plan.bits))
         return figures
@@ -175,7 +181,7 @@ class AdaptivePolicy(Policy):
             full.append(Site(name, size, costs, elements))
             if held_bits is not None and stats.generic:
                 self.held.append(name)
-                costs = {held_bits: costs[held_bits]}
+                costs = {b: c for b, c in costs.items() if b == held_bits or (self.generic == "floor" and b > held_bits)}
             sites.append(Site(name, size, costs, elements))
         if not sites:
             return None
@@ -197,7 +203,7 @@ class AdaptivePolicy(Policy):
         default (an average of 1.5) uniform is 1 bit, where these sites' errors compound: they are
         traded then, at their compounding 1-bit cost (``COMPOUNDING``).
         """
-        if self.trade_generic or self.default_bits > self.average:
+        if self.generic == "trade" or self.default_bits > self.average:
             return None
         return self.default_bits
 
@@ -217,7 +223,7 @@ class AdaptivePolicy(Policy):
             return plan, None
         bits = self.default_bits if self.default_bits <= average else max(fitting)
         # the held sites are at ``bits`` in both: the gain is over the sites the plan trades
-        held = set(self.held)
+        held = set(self.held) if self.generic == "hold" else set()  # "floor": they may differ, so they count
         traded = [site for site in sites if site.name not in held]
         uniform = sum(site.costs[bits] for site in traded)
         planned = sum(site.costs[plan.bits[site.name]] for site in traded)
