@@ -13,6 +13,12 @@ at least ``min_gain`` (25%) below theirs: the estimates are good to a factor of 
 site, so a smaller predicted gain is not worth the bet (ResNet-18 with ReLU masks: even
 the per-site optimum measured by leave-one-in runs is only 0.7% better than uniform 2).
 
+Only the sites whose estimate is checked are traded: products with a parameter and BatchNorm inputs.
+A site the estimator costs by its generic model (a norm, an activation, softmax, an attention
+product: ``SiteStats.generic``) is held at the uniform width, because leave-one-in puts that model
+50-100x too high at the median on transformers, and a plan that bought bits for such sites lost to
+uniform bits on BERT, Llama and ViT (issue 16; ``generic`` = "floor" / "trade" for the alternatives).
+
 Budget: over the sites the plan covers (the tensors quantized by the codec), the
 size-weighted mean of the bits is at most ``Adaptive.average``, sizes counted in whole
 groups (what the payload holds). A site may be kept raw: it then counts at its
@@ -181,7 +187,8 @@ class AdaptivePolicy(Policy):
             full.append(Site(name, size, costs, elements))
             if held_bits is not None and stats.generic:
                 self.held.append(name)
-                costs = {b: c for b, c in costs.items() if b == held_bits or (self.generic == "floor" and b > held_bits)}
+                floor = self.generic == "floor"
+                costs = {b: c for b, c in costs.items() if b == held_bits or (floor and b > held_bits)}
             sites.append(Site(name, size, costs, elements))
         if not sites:
             return None
@@ -199,7 +206,7 @@ class AdaptivePolicy(Policy):
 
         The uniform width (the default, when it fits the average): the plan then never gives such a
         site fewer bits than uniform would, nor spends the budget raising it on an estimate that
-        leave-one-in puts 5-1000x too high on transformers (docs/policy.md section 1). Below the
+        leave-one-in puts 50-100x too high at the median on transformers (docs/policy.md section 1). Below the
         default (an average of 1.5) uniform is 1 bit, where these sites' errors compound: they are
         traded then, at their compounding 1-bit cost (``COMPOUNDING``).
         """
@@ -231,8 +238,8 @@ class AdaptivePolicy(Policy):
         if bits == self.default_bits:
             self.estimated_gain = gain
         if not traded:
-            reason = (f"uniform {bits} bits: every site is costed by the generic model (a non-parameter consumer), "
-                      f"whose estimate is unsure")
+            reason = (f"uniform {bits} bits: every site is costed by the generic model "
+                      f"(a non-parameter consumer), whose estimate is unsure")
         elif uniform <= 0:
             reason = f"uniform {bits} bits: every site's estimated cost at {bits} bits is 0 (nothing to plan on)"
         elif bits == self.default_bits and gain < self.min_gain:
