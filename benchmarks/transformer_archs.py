@@ -13,6 +13,10 @@ plan in force at the measured step is made from all of them).
     python benchmarks/transformer_archs.py --sites               # which kind of save costs the error
     python benchmarks/transformer_archs.py --archs llama,bert --methods uniform-2,outliers-2 --json out.json
 
+``--leave-one-in``: per site, the adaptive policy's estimate of its cost at 2 bits against the truth
+(only that site quantized, the others raw), split by whether the estimator costs it by its generic
+model (``SiteStats.generic``) or as a product with a parameter.
+
 ``--sites``: every site at 8 bits except one kind at 2 (kinds: ``site_kinds.KINDS``), and the
 elements each kind holds (JSON). ``--outliers N``: the embedding output of N hidden channels is
 scaled by 30 (random init has no outlier dimensions; trained LMs do). ``--rounding-seeds N``: each
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -164,9 +170,8 @@ def measure(arch: Arch, configs: dict[str, daf.Config], warmup: int, outliers: i
         if isinstance(config.policy, KindBits):
             config = config.replace(policy=KindBits(config.policy.low_kind, config.policy.low, config.policy.high,
                                                     kinds))
-        if isinstance(config.policy, daf.Adaptive):
-            config = config.replace(policy=daf.Adaptive(average=config.policy.average, replan_every=warmup,
-                                                        window=warmup))
+        if hasattr(config.policy, "replan_every"):  # daf.Adaptive, AdaptiveGeneric
+            config = config.replace(policy=dataclasses.replace(config.policy, replan_every=warmup, window=warmup))
             daf.wrap(model, config)
             for _ in range(warmup):
                 _gradient(model, arch, batch)
@@ -182,6 +187,76 @@ def measure(arch: Arch, configs: dict[str, daf.Config], warmup: int, outliers: i
                       "elements_by_kind": _elements_by_kind(report, kinds)}
         daf.unwrap(model)
     return rows
+
+
+@dataclass(frozen=True)
+class OnlySite:
+    """Policy config: ``bits`` at ``site``, every other saved tensor raw (leave-one-in)."""
+
+    site: str = ""
+    bits: int = 2
+
+
+class _OnlySitePolicy(daf.policy.Policy):
+    def __init__(self, config: OnlySite) -> None:
+        self.config = config
+
+    def bits_for(self, site: str, x: torch.Tensor) -> int:
+        return self.config.bits if site == self.config.site else 0
+
+
+@daf.policy.register_policy(OnlySite, kind="only-site")
+def _only_site(config: daf.Config) -> daf.policy.Policy:
+    return _OnlySitePolicy(config.policy)
+
+
+def leave_one_in(arch: Arch, warmup: int, seeds: int, bits: int = 2) -> dict:
+    """Per site: the adaptive estimate of its cost at ``bits`` against the truth, the squared gradient error
+    with only that site at ``bits`` and every other save raw (mean over ``seeds`` rounding seeds), both
+    in units of ``||g||**2``; whether the estimator costs it by its generic model; its kind."""
+    base = arch.make()
+    batch = arch.batch(torch.Generator().manual_seed(0))
+    g_ref = _gradient(base, arch, batch)
+    norm = float(g_ref.square().sum())
+    model = copy.deepcopy(base)
+    daf.wrap(model, daf.Config(policy=daf.Adaptive(average=2.0, replan_every=warmup, window=warmup)))
+    for _ in range(warmup + 1):
+        _gradient(model, arch, batch)
+    policy = daf.session_of(model).policy
+    sources = {row.site: row.source for row in daf.report(model).rows}
+    sites = {name: (stats.generic, policy.estimator.costs(name)) for name, stats in policy.estimator.sites.items()}
+    daf.unwrap(model)
+    kinds = module_kinds(base)
+    rows = {}
+    for name, (generic, costs) in sites.items():
+        errors = []
+        for seed in range(seeds):
+            copy_ = copy.deepcopy(base)
+            daf.wrap(copy_, daf.Config(policy=OnlySite(name, bits), seed=seed))
+            errors.append(float((_gradient(copy_, arch, batch) - g_ref).square().sum()) / norm)
+            daf.unwrap(copy_)
+        rows[name] = {"kind": classify(name, sources.get(name, ""), kinds), "generic": generic,
+                      "true": statistics.fmean(errors), "estimate": None if costs is None else costs[bits] / norm}
+    return rows
+
+
+def leave_one_in_table(results: dict[str, dict]) -> str:
+    """Per arch, generic-model sites and parameter-product sites: log10(true / estimate), median and range,
+    and how many are over-estimated more than 10x / under-estimated more than 2x. (The saves the session
+    keeps at 8 bits whatever the policy says, softmax outputs, are among the generic ones: their truth is
+    the 8-bit error.)"""
+    lines = [f"{'arch':14s} {'sites':20s} {'n':>3s} {'median':>7s} {'min':>6s} {'max':>6s} {'>10x over':>10s} "
+             f"{'>2x under':>10s}"]
+    for arch, rows in results.items():
+        for generic, label in ((False, "parameter products"), (True, "generic model")):
+            ratios = [math.log10(r["true"] / r["estimate"]) for r in rows.values()
+                      if r["generic"] == generic and r["estimate"] and r["true"] > 0]
+            unestimated = sum(1 for r in rows.values() if r["generic"] == generic and not r["estimate"])
+            if ratios:
+                lines.append(f"{arch:14s} {label:20s} {len(ratios):3d} {statistics.median(ratios):7.2f} "
+                             f"{min(ratios):6.2f} {max(ratios):6.2f} {sum(x < -1 for x in ratios):10d} "
+                             f"{sum(x > math.log10(2) for x in ratios) + unestimated:10d}")
+    return "\n".join(lines)
 
 
 def _elements_by_kind(report: daf.Report, kinds: tuple[tuple[str, str], ...]) -> dict[str, int]:
@@ -256,6 +331,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounding-seeds", type=int, default=1,
                         help="N > 1: each method with Config.seed 0..N-1 (rounding noise); mean and sd of the cosine")
+    parser.add_argument("--leave-one-in", action="store_true",
+                        help="per site: the adaptive estimate at 2 bits against the truth (only that site "
+                             "quantized); --rounding-seeds seeds")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -271,6 +349,15 @@ def main() -> None:
                    for seed in range(args.rounding_seeds)}
     all_archs = archs(args.attention)
     results = {}
+    if args.leave_one_in:
+        for name in args.archs.split(","):
+            arch = all_archs[name] if name in all_archs else pretrained(name, args.pretrained_batch)
+            results[name] = leave_one_in(arch, args.warmup, args.rounding_seeds)
+        print(leave_one_in_table(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "args": vars(args), "leave_one_in": results}, f, indent=1)
+        return
     for name in args.archs.split(","):
         arch = all_archs[name] if name in all_archs else pretrained(name, args.pretrained_batch)
         results[name] = measure(arch, configs, args.warmup, args.outliers, args.seed)

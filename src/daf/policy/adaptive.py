@@ -13,6 +13,12 @@ at least ``min_gain`` (25%) below theirs: the estimates are good to a factor of 
 site, so a smaller predicted gain is not worth the bet (ResNet-18 with ReLU masks: even
 the per-site optimum measured by leave-one-in runs is only 0.7% better than uniform 2).
 
+Only the sites whose estimate is checked are traded: products with a parameter and BatchNorm inputs.
+A site the estimator costs by its generic model (a norm, an activation, softmax, an attention
+product: ``SiteStats.generic``) is held at the uniform width, because leave-one-in puts that model
+50-100x too high at the median on transformers, and a plan that bought bits for such sites lost to
+uniform bits on BERT, Llama and ViT (issue 16; ``generic`` = "floor" / "trade" for the alternatives).
+
 Budget: over the sites the plan covers (the tensors quantized by the codec), the
 size-weighted mean of the bits is at most ``Adaptive.average``, sizes counted in whole
 groups (what the payload holds). A site may be kept raw: it then counts at its
@@ -36,7 +42,9 @@ from daf.policy.importance import ImportanceEstimator
 from daf.policy.uniform import Policy
 from daf.tracing import OpCall
 
-__all__ = ["AdaptivePolicy"]
+__all__ = ["AdaptivePolicy", "GENERIC_MODES"]
+
+GENERIC_MODES = ("hold", "floor", "trade")
 
 
 class AdaptivePolicy(Policy):
@@ -49,7 +57,7 @@ class AdaptivePolicy(Policy):
 
     def __init__(self, average: float, group_size: int = 256, replan_every: int = 50,
                  choices: tuple[int, ...] = ALLOWED_BITS, allow_raw: bool = True, window: int = 4,
-                 smoothing: float = 0.7, min_gain: float = 0.25) -> None:
+                 smoothing: float = 0.7, min_gain: float = 0.25, generic: str = "hold") -> None:
         # the knobs are those of daf.Adaptive, checked there: one set of rules and messages
         Adaptive(average=average, replan_every=replan_every, window=window, smoothing=smoothing,
                  min_gain=min_gain, allow_raw=allow_raw)
@@ -60,6 +68,13 @@ class AdaptivePolicy(Policy):
         self.allow_raw = allow_raw
         self.window = window
         self.min_gain = min_gain
+        # a site costed by the estimator's generic model (``SiteStats.generic``): "hold" keeps it at the
+        # uniform width, neither cut nor raised; "floor" may raise it, never cut it; "trade" trades it like
+        # the others (the plans before issue 16)
+        if generic not in GENERIC_MODES:
+            raise ValueError(f"generic must be one of {GENERIC_MODES}, got {generic!r}")
+        self.generic = generic
+        self.held: list[str] = []  # sites of the last plan held at the uniform width (generic, unsure estimate)
         self.estimated_gain: float | None = None
         self.fallback: str | None = None  # why the last plan is uniform bits instead of the allocator's, if it is
         # nearest allowed width (ties up): a first step at 1 bit everywhere wrecks the gradient
@@ -131,6 +146,11 @@ class AdaptivePolicy(Policy):
         if self.estimated_gain is not None:
             figures["estimated_gain_over_uniform"] = round(self.estimated_gain, 4)
         figures["uniform_fallback"] = self.fallback
+        if self.held:
+            figures["held_at_uniform"] = {"sites": len(self.held), "mode": self.generic, "why": (
+                "costed by the generic model (a non-parameter consumer: norm, activation, softmax, "
+                "attention product), whose estimate is unsure; never below the uniform width"
+                + ("" if self.generic == "floor" else ", nor above"))}
         figures.update(mean_bits=round(self.plan.mean_bits, 4), estimated_variance=self.plan.cost,
                        exact=self.plan.exact, sites=counts, plan=dict(self.plan.bits))
         return figures
@@ -146,9 +166,12 @@ class AdaptivePolicy(Policy):
 
     # -- planning ----------------------------------------------------------------------------
     def replan(self) -> Plan | None:
-        """Solve the allocation from the current estimates; sites without one keep the default bits."""
-        sites = []
+        """Solve the allocation from the current estimates; sites without one keep the default bits, and
+        so do the sites the estimator costs by its generic model (``_held_width``)."""
+        sites, full = [], []
         fixed_elements = fixed_bits = 0
+        held_bits = self._held_width()
+        self.held = []
         for name, stats in self.estimator.sites.items():
             size = -(-stats.numel // self.group_size) * self.group_size
             elements = max(size, -(-stats.elements // self.group_size) * self.group_size)
@@ -161,6 +184,11 @@ class AdaptivePolicy(Policy):
                 continue
             if self.allow_raw and elements == size:  # raw keeps every element, zeros too
                 costs[stats.dtype_bits if stats.dtype_bits > max(self.choices) else RAW_BITS] = 0.0
+            full.append(Site(name, size, costs, elements))
+            if held_bits is not None and stats.generic:
+                self.held.append(name)
+                floor = self.generic == "floor"
+                costs = {b: c for b, c in costs.items() if b == held_bits or (floor and b > held_bits)}
             sites.append(Site(name, size, costs, elements))
         if not sites:
             return None
@@ -170,8 +198,21 @@ class AdaptivePolicy(Policy):
         plan, self.fallback = self._guard(allocate(sites, max(average, min(self.choices))), sites, average)
         self.plan = plan
         self.plans += 1
-        self._importance = _slopes(sites, plan, max(self.choices))
+        self._importance = _slopes(full, plan, max(self.choices))
         return plan
+
+    def _held_width(self) -> int | None:
+        """The width of the sites whose estimate is the generic model's, or None where they are traded.
+
+        The uniform width (the default, when it fits the average): the plan then never gives such a
+        site fewer bits than uniform would, nor spends the budget raising it on an estimate that
+        leave-one-in puts 50-100x too high at the median on transformers (docs/policy.md section 1). Below the
+        default (an average of 1.5) uniform is 1 bit, where these sites' errors compound: they are
+        traded then, at their compounding 1-bit cost (``COMPOUNDING``).
+        """
+        if self.generic == "trade" or self.default_bits > self.average:
+            return None
+        return self.default_bits
 
     def _guard(self, plan: Plan, sites: list[Site], average: float) -> tuple[Plan, str | None]:
         """``plan``, or uniform bits where the estimates cannot back it, and why (None: the plan stands).
@@ -188,11 +229,18 @@ class AdaptivePolicy(Policy):
         if not fitting:
             return plan, None
         bits = self.default_bits if self.default_bits <= average else max(fitting)
-        uniform = sum(site.costs[bits] for site in sites)
-        gain = 1 - plan.cost / uniform if uniform > 0 else 0.0
+        # the held sites are at ``bits`` in both: the gain is over the sites the plan trades
+        held = set(self.held) if self.generic == "hold" else set()  # "floor": they may differ, so they count
+        traded = [site for site in sites if site.name not in held]
+        uniform = sum(site.costs[bits] for site in traded)
+        planned = sum(site.costs[plan.bits[site.name]] for site in traded)
+        gain = 1 - planned / uniform if uniform > 0 else 0.0
         if bits == self.default_bits:
             self.estimated_gain = gain
-        if uniform <= 0:
+        if not traded:
+            reason = (f"uniform {bits} bits: every site is costed by the generic model "
+                      f"(a non-parameter consumer), whose estimate is unsure")
+        elif uniform <= 0:
             reason = f"uniform {bits} bits: every site's estimated cost at {bits} bits is 0 (nothing to plan on)"
         elif bits == self.default_bits and gain < self.min_gain:
             reason = f"uniform {bits} bits: the plan's estimated gain {gain:.3f} is below min_gain {self.min_gain}"
