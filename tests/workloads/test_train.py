@@ -1,5 +1,7 @@
 """The training loop: its record, both arms on the same data, Ctrl-C (in process)."""
 
+import signal
+
 import pytest
 
 import daf
@@ -57,3 +59,62 @@ def test_interrupt_keeps_what_was_measured(monkeypatch):
     monkeypatch.setattr(TinyMNIST, "loss", loss)
     run = run_training(RunSettings("tiny-mnist", dict(TINY), steps=50, batch=16, progress=False))
     assert run["interrupted"] and run["steps_done"] == 2 and run["eval"] is not None
+
+
+class _CtrlCWhenCollected:
+    """Presses Ctrl-C from inside ``__del__``, where a KeyboardInterrupt is printed and lost."""
+
+    def __init__(self, times: int) -> None:
+        self.times = times
+
+    def __del__(self) -> None:
+        for _ in range(self.times):
+            signal.raise_signal(signal.SIGINT)
+
+
+def _train_pressing_ctrl_c(monkeypatch, times: int, inside_del: bool) -> dict:
+    from daf.workloads.tiny_mnist import TinyMNIST
+    calls = {"n": 0}
+    original = TinyMNIST.loss
+
+    def loss(self, model, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            if inside_del:
+                _CtrlCWhenCollected(times)  # dropped at once: its __del__ runs here
+            else:
+                for _ in range(times):
+                    signal.raise_signal(signal.SIGINT)
+        return original(self, model, batch)
+
+    monkeypatch.setattr(TinyMNIST, "loss", loss)
+    # Python's own SIGINT handler, whether or not the runner was started with SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return run_training(RunSettings("tiny-mnist", dict(TINY), steps=50, batch=16, progress=False))
+    finally:
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("inside_del", [False, True])
+def test_ctrl_c_stops_at_the_end_of_the_step_even_inside_a_finalizer(monkeypatch, inside_del):
+    run = _train_pressing_ctrl_c(monkeypatch, times=1, inside_del=inside_del)
+    assert run["interrupted"] and run["steps_done"] == 3 and run["eval"] is not None
+
+
+def test_a_second_ctrl_c_interrupts_the_step_at_once(monkeypatch):
+    run = _train_pressing_ctrl_c(monkeypatch, times=2, inside_del=False)
+    assert run["interrupted"] and run["steps_done"] == 2 and run["eval"] is not None
+
+
+def test_ctrl_c_ignored_by_the_caller_stays_ignored(monkeypatch):
+    from daf.workloads.interrupt import StopRequest
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopRequest() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert not stop.requested and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -4,7 +4,8 @@
 unless the arm is fp32, trains it on the workload's fixed batch order, evaluates it on the
 held-out split and returns a JSON-ready record: losses, step times, activation bytes raw and
 stored (measured on one traced step), peak RSS during training, and a memory timeline of that step.
-Ctrl-C stops training cleanly: the record says ``interrupted`` and holds what was measured.
+Ctrl-C stops training cleanly at the end of the current step (a second one at once): the record
+says ``interrupted`` and holds what was measured.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from daf.allocator.native import install as install_allocator
 from daf.config import Config
 from daf.workloads import get_workload
 from daf.workloads.base import Workload
+from daf.workloads.interrupt import StopRequest
 from daf.workloads.measure import PeakRSS, SavedBytes, StepTimeline
 
 __all__ = ["RunSettings", "run_training", "digest_batch"]
@@ -119,46 +121,50 @@ def run_training(settings: RunSettings) -> dict[str, Any]:
     timeline = StepTimeline(_held_bytes(model, counter, settings.daf is not None))
     peak = PeakRSS()
     torch.manual_seed(workload.seed)  # dropout masks start from the same state in both arms
-    print(f"training {workload.name} ({settings.arm}): {steps} steps of batch {batch}", file=sys.stderr, flush=True)
-    peak.reset()
-    bar = _progress(steps, f"{workload.name} {settings.arm}", settings.progress)
-    train_start = time.perf_counter()
-    try:
-        for step, data in enumerate(_chain(first, batches)):
-            digest_batch(data_hash, data)
-            traced = step == trace_step
-            if traced:
-                timeline.attach(model)
-            start = time.perf_counter()
-            if traced and settings.daf is None:
-                with counter.hooks(model):
+    with StopRequest() as stop:
+        print(f"training {workload.name} ({settings.arm}): {steps} steps of batch {batch}", file=sys.stderr, flush=True)
+        peak.reset()
+        bar = _progress(steps, f"{workload.name} {settings.arm}", settings.progress)
+        train_start = time.perf_counter()
+        try:
+            for step, data in enumerate(_chain(first, batches)):
+                if stop.requested:
+                    break
+                digest_batch(data_hash, data)
+                traced = step == trace_step
+                if traced:
+                    timeline.attach(model)
+                start = time.perf_counter()
+                if traced and settings.daf is None:
+                    with counter.hooks(model):
+                        loss = workload.loss(model, data)
+                else:
                     loss = workload.loss(model, data)
-            else:
-                loss = workload.loss(model, data)
-            if traced:
-                timeline.mark("forward end")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if traced:
-                timeline.mark("backward end")
-            optimizer.step()
-            if schedule is not None:
-                schedule.step()
-            step_seconds.append(time.perf_counter() - start)
-            loss = loss.detach()
-            if traced:
-                timeline.mark("optimizer end")
-                timeline.detach()
-                record["activations"] = _activations(model, counter, settings.daf is not None)
-            losses.append(loss.item())
-            del loss
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
-    except KeyboardInterrupt:
-        record["interrupted"] = True
-        timeline.detach()
-    finally:
-        bar.close()
+                if traced:
+                    timeline.mark("forward end")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if traced:
+                    timeline.mark("backward end")
+                optimizer.step()
+                if schedule is not None:
+                    schedule.step()
+                step_seconds.append(time.perf_counter() - start)
+                loss = loss.detach()
+                if traced:
+                    timeline.mark("optimizer end")
+                    timeline.detach()
+                    record["activations"] = _activations(model, counter, settings.daf is not None)
+                losses.append(loss.item())
+                del loss
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        except KeyboardInterrupt:
+            record["interrupted"] = True
+            timeline.detach()
+        finally:
+            bar.close()
+    record["interrupted"] = record["interrupted"] or stop.requested
     record["train_seconds"] = time.perf_counter() - train_start
     record["peak_rss_bytes"] = peak.peak()
     record["start_rss_bytes"] = peak.start
