@@ -74,7 +74,7 @@ def _gradients(model: nn.Module, x: torch.Tensor, dtype: torch.dtype, hooks=cont
     with torch.autocast(x.device.type, dtype=dtype), hooks(model):
         y = model(x)
     y.float().square().sum().backward()
-    return [p.grad.clone() for p in model.parameters()] + [x.grad]
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()] + [x.grad]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -240,3 +240,77 @@ def test_the_recast_equals_the_saved_copy_bit_for_bit(name):
     recast = Derived(saved, parameter, "m#0", source=type("Unchecked", (), {"check": lambda self, site: None})()).unpack()
     assert (recast.shape, recast.stride(), recast.dtype) == (saved.shape, saved.stride(), saved.dtype)
     assert torch.equal(recast.detach().view(torch.int16), saved.detach().view(torch.int16))  # NaN included
+
+
+# -- frozen weights (LoRA's base, a frozen backbone): their copies have no autograd history ------
+
+class FrozenBase(nn.Module):
+    """A LoRA-like layer: a frozen base Linear plus a trainable low-rank adapter; a frozen conv before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.base = nn.Linear(8 * 6 * 6, 96)
+        self.a, self.b = nn.Linear(8 * 6 * 6, 4, bias=False), nn.Linear(4, 96, bias=False)
+        self.head = nn.Linear(96, 10)
+        for p in [*self.conv.parameters(), *self.base.parameters(), self.head.weight]:
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x)).flatten(1)
+        return self.head(torch.tanh(self.base(h) + self.b(self.a(h))))
+
+
+def _trainable(gradients: list) -> list:
+    return [g for g in gradients if g is not None]  # frozen parameters have none
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_frozen_weights_copies_are_derived_bit_for_bit(dtype, device):
+    torch.manual_seed(0)
+    model, x = FrozenBase().to(device), torch.randn(16, 3, 6, 6, device=device)
+    plain = _trainable(_gradients(model, x, dtype))
+    with Session(Config(), policy=UniformPolicy(0)) as session:
+        derived = _trainable(_gradients(model, x, dtype, lambda m: _through(session, m)))
+    assert len(plain) == 4 and all(torch.equal(a, b) for a, b in zip(plain, derived, strict=True))  # a, b, head bias, x
+    rows = session.report().rows
+    frozen = [r for r in rows if r.kind == "derived" and r.source == "no history"]
+    # conv, base and head weights: each a cast without history, none kept
+    assert len(frozen) == 3 and all(r.stored_bytes == 0 and r.raw_bytes > 0 for r in frozen)
+    assert not [r for r in rows if r.kind == "raw" and r.dtype == str(dtype).removeprefix("torch.")
+                and r.source == "no history" and r.raw_bytes >= 96 * 8 * 6 * 6 * 2]
+
+
+def test_a_frozen_weight_changed_before_backward_raises():
+    model = daf.wrap(FrozenBase(), bits=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(16, 3, 6, 6, requires_grad=True)).float().square().sum()
+    with torch.no_grad():
+        model.base.weight.mul_(2)  # plain autograd would use the old copy: DAF cannot, and says so
+    with pytest.raises(RuntimeError, match="the parameter .* modified in place"):
+        loss.backward()
+
+
+def test_frozen_cast_is_recognised_only_when_it_is_one():
+    from daf.tracing import frozen_parameter_of_cast
+    weight = nn.Parameter(torch.randn(96, 64), requires_grad=False)
+    x = torch.randn(32, 64)
+    copy_ = weight.to(torch.bfloat16)
+    assert frozen_parameter_of_cast(copy_.t(), [x, weight]) is weight  # a view of the copy, as addmm saves it
+    assert frozen_parameter_of_cast(copy_, [x, weight]) is weight
+    other = copy_.clone()
+    other.view(-1)[0] += 1  # one element off: caught by the samples (the first is always one of them)
+    assert frozen_parameter_of_cast(other, [x, weight]) is None
+    assert frozen_parameter_of_cast(weight.to(torch.float16), [x, weight]) is weight
+    same_layout = torch.randn(96, 64)  # an input of the weight's layout: which copy is which is unsure
+    assert frozen_parameter_of_cast(copy_, [same_layout, weight]) is None
+    trained = nn.Parameter(weight.detach().clone())  # requires grad: its copy has history (parameter_of_cast)
+    assert frozen_parameter_of_cast(trained.detach().to(torch.bfloat16), [x, trained]) is None
+    assert frozen_parameter_of_cast(copy_[:, :32], [x, weight]) is weight  # a slice is still a view of it
+    assert frozen_parameter_of_cast(copy_[:48].clone(), [x, weight]) is None  # a copy of part of it is not
+    plain = torch.randn(96, 64)  # not a parameter
+    assert frozen_parameter_of_cast(plain.to(torch.bfloat16), [x, plain]) is None
+    changed = weight.to(torch.bfloat16)
+    changed.mul_(1)  # changed in place since the cast
+    assert frozen_parameter_of_cast(changed, [x, weight]) is None

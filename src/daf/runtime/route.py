@@ -3,8 +3,9 @@
 In order (the first that holds decides):
 
 1. a parameter or buffer (or a view of one): referenced, never copied; an exact cast of a parameter
-   (autocast's bf16 copy of a weight, or a view of it): derived, nothing stored, since autograd keeps
-   the parameter anyway and backward recasts it (``daf.runtime.derived``); another cast of one (a
+   (autocast's bf16 copy of a weight, or a view of it; of a frozen weight too, found among the
+   arguments of the linear, matmul or convolution saving it): derived, nothing stored, since the
+   parameter lives on anyway and backward recasts it (``daf.runtime.derived``); another cast of one (a
    clone of the copy, a cast to another memory format): kept raw, since coarse codes of a weight spoil every input
    gradient;
 2. ReLU's own save of its output, with masks on: an exact 1-bit mask (``relu_mask``);
@@ -33,7 +34,7 @@ import torch
 from daf.codec.mask import MASK_DTYPES, two_values
 from daf.codec.nonzeros import nonzeros_of
 from daf.format import FLOAT_DTYPES
-from daf.tracing import OpCall, cast_of_parameter, parameter_of_cast
+from daf.tracing import OpCall, cast_of_parameter, frozen_parameter_of_cast, parameter_of_cast
 
 __all__ = ["Kind", "Encoding", "Context", "route"]
 
@@ -97,6 +98,8 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
     if context.is_parameter:
         return PARAMETER
     parameter = parameter_of_cast(tensor)
+    if parameter is None and tensor.grad_fn is None and context.op is not None and context.op.weight_arguments:
+        parameter = frozen_parameter_of_cast(tensor, context.op.weight_arguments)
     if parameter is not None:
         return Encoding(Kind.DERIVED, data=parameter)
     if cast_of_parameter(tensor):

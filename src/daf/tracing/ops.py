@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS", "ATTENTION_FUNCTIONS"]
+__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS", "ATTENTION_FUNCTIONS", "WEIGHT_FUNCTIONS"]
 
 
 def _relu_functions() -> frozenset:
@@ -41,6 +41,17 @@ def _attention_functions() -> frozenset:
 
 
 ATTENTION_FUNCTIONS = _attention_functions()
+
+
+def _weight_functions() -> frozenset:
+    """The functions autocast runs in low precision that take a weight: their saves can be its cast."""
+    import torch.nn.functional as F
+    return frozenset({F.linear, F.bilinear, torch.matmul, torch.mm, torch.addmm, torch.bmm, torch.baddbmm,
+                      torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.mm,
+                      F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d})
+
+
+WEIGHT_FUNCTIONS = _weight_functions()
 
 
 @dataclass
@@ -65,6 +76,13 @@ class OpCall:
     @property
     def is_relu(self) -> bool:
         return self.func in RELU_FUNCTIONS
+
+    @property
+    def weight_arguments(self) -> list[torch.Tensor]:
+        """The tensors given to a linear, matmul or convolution (``WEIGHT_FUNCTIONS``); empty for other calls."""
+        if self.func not in WEIGHT_FUNCTIONS:
+            return []
+        return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, torch.Tensor)]
 
     def is_fused_attention_save(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is q, k, v or the output saved by a fused-attention kernel."""

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 __all__ = ["TensorTable", "tensor_key", "parameter_storages", "is_parameter", "cast_of_parameter", "parameter_of_cast",
-           "is_dense"]
+           "frozen_parameter_of_cast", "is_dense"]
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
@@ -112,6 +112,45 @@ def parameter_of_cast(tensor: torch.Tensor) -> torch.Tensor | None:
             or not _same_layout(_replay(parameter, views), base)):
         return None
     return parameter
+
+
+def frozen_parameter_of_cast(tensor: torch.Tensor, args: list[torch.Tensor]) -> torch.Tensor | None:
+    """The frozen parameter among ``args`` (the tensors given to the weight op that is saving ``tensor``:
+    a linear, matmul or convolution) whose autocast copy ``tensor`` is, or a view of it; else None.
+
+    A frozen weight's copy (LoRA's base weights, a frozen backbone) has no autograd history, so
+    ``parameter_of_cast`` cannot see where it came from. These ops take their arguments in one dtype,
+    so a save in another dtype than the parameter's was cast inside the call: by autocast, which casts
+    each argument to its dtype (``torch.is_autocast_enabled`` cannot tell: the hook runs below autocast's
+    dispatch, where it reads False). The copy of the weight is told from the copy of the input by its
+    size and strides, which must be the parameter's and no other argument's. That copy is dense from offset 0, unchanged since
+    (version 0), and a few of its elements, spread over it, equal the parameter's cast (a guard against a
+    tensor that only looks like one, at a cost of microseconds). O(len(args) + 16)."""
+    base = tensor if tensor._base is None else tensor._base
+    if (tensor.grad_fn is not None or base.grad_fn is not None or not tensor.dtype.is_floating_point
+            or base._version != 0 or base.storage_offset() != 0 or tensor.layout != torch.strided
+            or base.untyped_storage().nbytes() != base.numel() * base.element_size() or base.numel() == 0):
+        return None
+    layout = (list(base.shape), list(base.stride()))
+    alike = [a for a in args if a is not base and _same_layout((list(a.shape), list(a.stride())), base)]
+    if len(alike) != 1:
+        return None
+    parameter = alike[0]
+    if (not isinstance(parameter, torch.nn.Parameter) or parameter.requires_grad or parameter.dtype == tensor.dtype
+            or not parameter.dtype.is_floating_point or parameter.device != tensor.device or not is_dense(parameter)
+            or layout[1] != list(parameter.stride())):
+        return None
+    return parameter if _samples_agree(base, parameter) else None
+
+
+def _samples_agree(copy: torch.Tensor, parameter: torch.Tensor, count: int = 16) -> bool:
+    """Whether ``count`` elements spread over ``copy``'s memory are the cast of ``parameter``'s, bit for bit."""
+    numel = copy.numel()
+    index = torch.linspace(0, numel - 1, min(count, numel), device=copy.device).long()
+    kept = copy.as_strided((numel,), (1,), 0)[index]
+    cast = parameter.detach().as_strided((numel,), (1,), parameter.storage_offset())[index].to(copy.dtype)
+    return torch.equal(kept.view(torch.int16) if kept.element_size() == 2 else kept,
+                       cast.view(torch.int16) if cast.element_size() == 2 else cast)
 
 
 def _cast_input(node: Any) -> tuple[torch.Tensor, list[Any]] | None:
