@@ -74,7 +74,9 @@ def run_arm(setup: str, arm: str, batch_size: int, out: str) -> None:
         model = daf.wrap(model, bits=2)
     if arm == "daf2-before":
         # the routing before derivation (the module, not the function daf.runtime re-exports under its name)
-        importlib.import_module("daf.runtime.route").parameter_of_cast = lambda tensor: None
+        route = importlib.import_module("daf.runtime.route")
+        route.parameter_of_cast = lambda tensor: None
+        route.frozen_parameter_of_cast = lambda tensor, arguments: None
     autocast = arm != "fp32"
     # Warm-up on 2 sequences: kernels and caches load, while the allocator keeps little of the step's
     # memory resident (a full-size warm-up would leave the measured step's peak inside retained memory).

@@ -27,8 +27,7 @@ import torch
 
 from daf.kernels import mask_reference as reference
 from daf.kernels import reference as format_reference
-from daf.format import payload_bytes
-from daf.kernels.ops import check_format
+from daf.kernels.ops import check_payload
 from daf.kernels.mask_reference import INT_VIEW, check_count, mask_bytes
 
 __all__ = ["register_native", "native_registered", "MASK_OPS"]
@@ -113,12 +112,8 @@ def _mask_scatter(values: torch.Tensor, bits: torch.Tensor, numel: int) -> torch
 
 
 def _check_payload(payload: torch.Tensor, count: int, bits: int, group_size: int) -> None:
-    check_format(bits, group_size)
     _flat(payload, "payload")
-    expected = payload_bytes(count, bits, group_size)
-    if payload.dtype != torch.uint8 or payload.numel() != expected:
-        raise ValueError(f"payload must be uint8 [{expected}] for {count} values at {bits} bits, group_size "
-                         f"{group_size}; got {payload.dtype} [{payload.numel()}]")
+    check_payload(payload, count, bits, group_size)
 
 
 def _nonzeros_decode_scatter(payload: torch.Tensor, count: int, bits: int, group_size: int, mask: torch.Tensor,

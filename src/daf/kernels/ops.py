@@ -63,6 +63,15 @@ def check_format(bits: int, group_size: int) -> None:
         raise ValueError(f"group_size must be positive and fill whole bytes at {bits} bits, got {group_size}")
 
 
+def check_payload(payload: torch.Tensor, numel: int, bits: int, group_size: int) -> None:
+    """ValueError unless ``payload`` is the uint8 codes of ``numel`` values in format 1 (``check_format`` first)."""
+    check_format(bits, group_size)
+    expected = payload_bytes(numel, bits, group_size)
+    if payload.dtype != torch.uint8 or payload.numel() != expected:
+        raise ValueError(f"payload must be uint8 [{expected}] for {numel} values at {bits} bits, group_size "
+                         f"{group_size}; got {payload.dtype} [{payload.numel()}]")
+
+
 def _check_strategy(strategy: int) -> None:
     if strategy not in STRATEGIES.values():
         raise ValueError(f"strategy must be one of {sorted(STRATEGIES.values())} ({', '.join(STRATEGIES)}), "
@@ -152,10 +161,7 @@ def _decode_native(ext: ModuleType) -> Callable:
         if not (native_takes(out.dtype, payload.is_cpu and out.is_cpu, group_size) and payload.dtype == torch.uint8
                 and out.is_contiguous()):
             return _decode_into_reference(payload, bits, group_size, exc_index, exc_value, out)
-        expected = payload_bytes(numel, bits, group_size)
-        if payload.numel() != expected:
-            raise ValueError(f"payload has {payload.numel()} bytes; {numel} elements at {bits} bits, "
-                             f"group_size {group_size} need {expected}")
+        check_payload(payload, numel, bits, group_size)
         payload = payload.contiguous()
         if numel:
             ext.decode_into(payload.data_ptr(), numel, bits, group_size, _DTYPE_CODES[out.dtype], out.data_ptr())
