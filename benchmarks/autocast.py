@@ -10,8 +10,8 @@ trains). Arms, each in a fresh process, a warm-up step on 2 of the sequences, th
 - ``fp32``: no autocast, no DAF (the reference gradient);
 - ``autocast``: bf16 autocast, no DAF;
 - ``daf2-before``: bf16 autocast, DAF 2 bits, the weight copies kept raw (the routing before
-  derivation, restored by turning ``parameter_of_cast`` off);
-- ``daf2-after``: bf16 autocast, DAF 2 bits, the weight copies derived.
+  derivation, restored by turning ``parameter_of_cast`` and ``frozen_parameter_of_cast`` off);
+- ``daf2-after``: bf16 autocast, DAF 2 bits, the weight copies derived (frozen weights' too).
 
 Figures: DAF's stored bytes (``daf.report``); from ``torch.profiler``'s memory events, the tensor bytes
 allocated in the step that are alive when backward starts (what forward leaves for backward) and their
