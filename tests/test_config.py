@@ -128,7 +128,7 @@ def test_round_trips_through_json(config):
 def test_typed_configs_serialize_with_their_kind_and_fields():
     data = Config(policy=Adaptive(average=1.5), codec=Division()).to_dict()
     assert data["policy"] == {"kind": "adaptive", "average": 1.5, "replan_every": 50, "window": 4, "smoothing": 0.7,
-                              "min_gain": 0.25, "allow_raw": True}
+                              "min_gain": 0.25, "allow_raw": True, "generic": "hold"}
     assert data["codec"] == {"kind": "division"} and Config().to_dict()["policy"] == {"kind": "uniform"}
     assert "replan_every" not in data
 

@@ -47,6 +47,7 @@ __all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "p
 CONFIG_VERSION = 2
 
 _ROUNDINGS = ("stochastic", "nearest")
+_GENERIC_MODES = ("hold", "floor", "trade")  # daf.policy.adaptive.GENERIC_MODES (tests hold the two equal)
 _AXES = ("channel", "token")  # of Outliers
 _BACKENDS = ("auto", "native", "reference")
 _ALLOCATORS = ("auto", "system", *ALLOCATORS)
@@ -167,6 +168,10 @@ class Adaptive:
         min_gain: a plan replaces uniform bits only if its estimated variance is at least this
             fraction below theirs, in [0, 1] (the estimates are good to a factor of 2-3 per site).
         allow_raw: whether the plan may keep a site raw (counted at its dtype's bits).
+        generic: what the plan does with a site its estimator costs by the generic model (a norm,
+            activation, softmax or attention-product input, whose estimate is unsure): "hold" keeps it
+            at the uniform width (default), "floor" may raise it but never cut it, "trade" trades it
+            like any other (docs/policy.md, "Where the model is unsure").
     """
 
     average: float = 2.0
@@ -175,6 +180,7 @@ class Adaptive:
     smoothing: float = 0.7
     min_gain: float = 0.25
     allow_raw: bool = True
+    generic: str = "hold"
 
     def __post_init__(self) -> None:
         _check_number("Adaptive.average", self.average, 1, 8)
@@ -184,6 +190,8 @@ class Adaptive:
         _check_number("Adaptive.smoothing", self.smoothing, 0, 1, high_open=True)
         _check_number("Adaptive.min_gain", self.min_gain, 0, 1)
         _check_bool("Adaptive.allow_raw", self.allow_raw)
+        if self.generic not in _GENERIC_MODES:
+            raise ValueError(f"Adaptive.generic must be one of {_GENERIC_MODES}, got {self.generic!r}")
 
 
 @_immutable

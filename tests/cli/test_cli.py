@@ -36,6 +36,8 @@ TINY = ["-O", "train_size=256", "-O", "eval_size=100", "--batch", "32", "--no-pr
                                                                     "with --policy adaptive give the average"),
     (["train", "tiny-mnist", "--policy", "adaptive", "--average", "x"], "--average: must be a number of bits"),
     (["train", "tiny-mnist", "--fp32", "--average", "2"], "--fp32 trains without DAF, so --average cannot apply"),
+    (["train", "tiny-mnist", "--generic", "floor"], "--generic applies to the adaptive policy: add --policy adaptive"),
+    (["train", "tiny-mnist", "--policy", "adaptive", "--generic", "raise"], "invalid choice: 'raise'"),
     (["train", "tiny-mnist", "--budget", "lots"], "Config.budget could not parse 'lots'"),
     (["train", "tiny-mnist", "--fp32", "--bits", "4"], "--fp32 trains without DAF, so --bits cannot apply"),
     (["train", "tiny-mnist", "-O", "width"], "workload options are written KEY=VALUE"),
@@ -55,10 +57,11 @@ def test_argument_errors(argv, message, capsys):
 def test_adaptive_policy_trains_and_a_bad_average_is_an_argument_error(tmp_path, capsys):
     path = tmp_path / "run.json"
     code = main(["train", "tiny-mnist", "--steps", "3", *TINY, "--policy", "adaptive", "--average", "2.5",
-                 "--json", str(path), "--no-plots"])
+                 "--generic", "floor", "--json", str(path), "--no-plots"])
     assert code == 0
     config = json.loads(path.read_text())["runs"]["daf"]["config"]
     assert config["policy"]["kind"] == "adaptive" and config["policy"]["average"] == 2.5 and config["version"] == 2
+    assert config["policy"]["generic"] == "floor"
     assert "DAF adaptive 2.5-bit avg" in capsys.readouterr().out
     with pytest.raises(SystemExit) as stop:
         main(["train", "tiny-mnist", "--policy", "adaptive", "--average", "9"])

@@ -120,9 +120,10 @@ def test_default_bits_before_a_plan_and_errors():
 
 
 def test_the_policy_is_built_from_every_adaptive_knob():
-    knobs = daf.Adaptive(average=2.5, replan_every=7, window=3, smoothing=0.5, min_gain=0.1, allow_raw=False)
+    knobs = daf.Adaptive(average=2.5, replan_every=7, window=3, smoothing=0.5, min_gain=0.1, allow_raw=False,
+                         generic="floor")
     policy = make_policy(daf.Config(policy=knobs, group_size=128))
-    assert isinstance(policy, AdaptivePolicy)
+    assert isinstance(policy, AdaptivePolicy) and policy.generic == "floor"
     assert (policy.average, policy.replan_every, policy.window, policy.min_gain, policy.allow_raw) == (2.5, 7, 3, 0.1,
                                                                                                        False)
     assert policy.estimator.smoothing == 0.5 and policy.group_size == 128
@@ -141,3 +142,12 @@ def test_nonzeros_only_site_is_costed_over_the_whole_activation():
     assert (half.numel, half.elements) == (4096, 8192)
     full = torch.cat([nonzeros, torch.zeros(4096)])
     assert abs(half.data_var - float(full.var(unbiased=False))) < 0.01 * float(full.var())
+
+
+def test_generic_modes_are_checked_in_the_config():
+    from daf.config import _GENERIC_MODES
+    from daf.policy.adaptive import GENERIC_MODES
+    assert _GENERIC_MODES == GENERIC_MODES
+    with pytest.raises(ValueError, match=r"Adaptive.generic must be one of \('hold', 'floor', 'trade'\), got 'hld'"):
+        daf.Adaptive(generic="hld")
+    assert daf.Config.from_dict(daf.Config(policy=daf.Adaptive(generic="trade")).to_dict()).policy.generic == "trade"

@@ -29,7 +29,7 @@ from daf.config import ALLOWED_BITS, Adaptive, Config, Division, MinMax, Outlier
 
 __all__ = ["main", "entry", "build_parser"]
 
-_DAF_FLAGS = ("bits", "policy", "average", "codec", "budget", "group_size", "backend")
+_DAF_FLAGS = ("bits", "policy", "average", "generic", "codec", "budget", "group_size", "backend")
 # --codec NAME: the codes codec (docs/transformers.md for outliers; docs/policy.md for division)
 _CODECS = {"minmax": lambda: MinMax(), "division": lambda: Division(), "outliers": lambda: Outliers(),
            "outliers-derivatives": lambda: Outliers(derivatives=True)}
@@ -109,6 +109,10 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
                                "importance, at --average bits per element)")
     compress.add_argument("--average", type=_average,
                           help="the adaptive policy's average bits per element, in [1, 8] (2.0)")
+    compress.add_argument("--generic", choices=("hold", "floor", "trade"),
+                          help="the adaptive policy's sites whose estimate is unsure (norm, activation, softmax, "
+                               "attention inputs): hold at the uniform width (default), floor (may raise, never "
+                               "cut) or trade")
     compress.add_argument("--codec", choices=tuple(_CODECS),
                           help="codes codec: minmax (default), division (DIVISION for 4-D maps), outliers (outlier "
                                "channels exact, per-channel groups: transformers), outliers-derivatives (also "
@@ -198,14 +202,18 @@ def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> di
     fields = dict(given)
     adaptive = fields.pop("policy", "uniform") == "adaptive"
     average = fields.pop("average", None)
+    generic = fields.pop("generic", None)
     if adaptive and "bits" in fields:
         parser.error("--bits is the uniform policy's code width; with --policy adaptive give the average "
                      "bits per element with --average")
     if not adaptive and average is not None:
         parser.error("--average is the adaptive policy's average bits per element: add --policy adaptive "
                      "(the uniform policy's width is --bits)")
+    if not adaptive and generic is not None:
+        parser.error("--generic applies to the adaptive policy: add --policy adaptive")
     if adaptive:
-        fields["policy"] = Adaptive() if average is None else Adaptive(average=average)
+        knobs = {"average": average, "generic": generic}
+        fields["policy"] = Adaptive(**{k: v for k, v in knobs.items() if v is not None})
     if "codec" in fields:
         fields["codec"] = _CODECS[fields["codec"]]()
     return fields

@@ -71,12 +71,16 @@ def config_label(config: dict[str, Any]) -> str:
     'DAF 2-bit'
     >>> config_label({"bits": 1.5, "policy": "adaptive", "codec": "division", "version": 1})
     'DAF adaptive 1.5-bit avg division'
+    >>> config_label({"policy": {"kind": "adaptive", "average": 2.5, "generic": "floor"}, "version": 2})
+    'DAF adaptive 2.5-bit avg (floor)'
     """
     policy, codec = config.get("policy", "uniform"), config.get("codec", "minmax")
     kind = policy.get("kind") if isinstance(policy, dict) else policy
     if kind == "adaptive":
         average = policy.get("average") if isinstance(policy, dict) else config.get("bits")
         label = f"DAF adaptive {average:g}-bit avg" if isinstance(average, (int, float)) else "DAF adaptive"
+        if isinstance(policy, dict) and policy.get("generic", "hold") != "hold":
+            label += f" ({policy['generic']})"
     else:
         bits = config.get("bits")
         label = f"DAF {bits:g}-bit" if isinstance(bits, (int, float)) else "DAF"

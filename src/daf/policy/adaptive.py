@@ -60,7 +60,7 @@ class AdaptivePolicy(Policy):
                  smoothing: float = 0.7, min_gain: float = 0.25, generic: str = "hold") -> None:
         # the knobs are those of daf.Adaptive, checked there: one set of rules and messages
         Adaptive(average=average, replan_every=replan_every, window=window, smoothing=smoothing,
-                 min_gain=min_gain, allow_raw=allow_raw)
+                 min_gain=min_gain, allow_raw=allow_raw, generic=generic)
         self.average = float(average)
         self.group_size = group_size
         self.replan_every = replan_every
@@ -71,8 +71,6 @@ class AdaptivePolicy(Policy):
         # a site costed by the estimator's generic model (``SiteStats.generic``): "hold" keeps it at the
         # uniform width, neither cut nor raised; "floor" may raise it, never cut it; "trade" trades it like
         # the others (the plans before issue 16)
-        if generic not in GENERIC_MODES:
-            raise ValueError(f"generic must be one of {GENERIC_MODES}, got {generic!r}")
         self.generic = generic
         self.held: list[str] = []  # sites of the last plan held at the uniform width (generic, unsure estimate)
         self.estimated_gain: float | None = None
