@@ -118,3 +118,13 @@ def test_ctrl_c_ignored_by_the_caller_stays_ignored(monkeypatch):
         assert not stop.requested and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_last_steps_bytes_and_plan_are_recorded_for_daf_arms():
+    adaptive = daf.Config(policy=daf.Adaptive(average=4.0, replan_every=2, window=1))
+    run = run_training(RunSettings("tiny-mnist", dict(TINY), steps=5, batch=32, daf=adaptive, progress=False))
+    last, traced = run["activations_last_step"], run["activations"]
+    assert last["raw_bytes"] == traced["raw_bytes"] > 0 and last["policy"]["policy"] == "adaptive"
+    assert last["policy"]["plans"] >= 1 and last["policy"]["plan"]  # planned after the traced step (2)
+    fp32 = run_training(RunSettings("tiny-mnist", dict(TINY), steps=1, batch=32, progress=False))
+    assert fp32["activations_last_step"] is None

@@ -173,6 +173,7 @@ def run_training(settings: RunSettings) -> dict[str, Any]:
                   median_step_seconds=_median_step(step_seconds, trace_step),
                   data_digest=data_hash.hexdigest(), timeline=timeline.to_dict())
     record.setdefault("activations", None)
+    record["activations_last_step"] = _last_step(model) if settings.daf is not None and losses else None
     record["eval"] = _evaluate(workload, model, record)
     record["wall_seconds"] = time.time() - started
     return record
@@ -198,6 +199,15 @@ def _activations(model: nn.Module, counter: SavedBytes, wrapped: bool) -> dict[s
     report = daf.report(model)
     return {"raw_bytes": report.raw_bytes, "stored_bytes": report.stored_bytes, "ratio": report.ratio,
             "sites": report.totals()["sites"], "store": report.sections.get("store", {})}
+
+
+def _last_step(model: nn.Module) -> dict[str, Any]:
+    """The last step's stored bytes and the policy's state then: an adaptive plan starts after the traced
+    step (its first plan is made at step ``replan_every``), so the traced figures show uniform bits."""
+    import daf
+    report = daf.report(model)
+    return {"raw_bytes": report.raw_bytes, "stored_bytes": report.stored_bytes, "ratio": report.ratio,
+            "sites": report.totals()["sites"], "policy": report.sections.get("policy")}
 
 
 def _median_step(seconds: list[float], trace_step: int) -> float | None:
