@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--fp32-allocator", choices=("auto", "system", *ALLOCATORS), dest="fp32_allocator",
                          help="the fp32 arm's allocator (default: --allocator's); 'system' runs it as a plain "
                               "PyTorch user does")
+    seeds = commands.add_parser("seeds", help="one mean and spread over runs saved with --json (each seed "
+                                              "trained apart)")
+    seeds.add_argument("files", nargs="+", metavar="FILE", help="JSON files of daf train / daf compare")
+    seeds.add_argument("--json", metavar="FILE", help="write the summary and the runs to FILE")
     from daf.cli.launch import add_arguments as launch_arguments
     launch_arguments(commands.add_parser("run", help="run a command with a well-kept allocator preloaded"))
     from daf.bench.memory import add_arguments as memory_arguments
@@ -384,6 +388,31 @@ def _compare_seeds(args: argparse.Namespace, argv: list[str]) -> int:
     return EXIT_INTERRUPTED if interrupted else EXIT_FAILED if failed else 0
 
 
+def _seeds(args: argparse.Namespace, argv: list[str]) -> int:
+    """``daf seeds FILE...``: the runs of the files by seed, each seed's table, the summary over seeds."""
+    from daf.cli.record import envelope, write_json
+    from daf.cli.seeds import combine_records, format_seed_summary, seed_summary
+    from daf.cli.table import format_table
+    try:
+        records = [(name, json.loads(Path(name).read_text())) for name in args.files]
+        by_seed, notes = combine_records(records)
+    except (OSError, json.JSONDecodeError, ValueError, KeyError) as error:
+        return _fail(f"daf seeds: {error}")
+    for note in notes:
+        print(note, file=sys.stderr)
+    for seed, runs in by_seed.items():
+        print(f"seed {seed} ({', '.join(sorted({run.get('started_at', '?')[:10] for run in runs.values()}))})\n"
+              f"{format_table(list(runs.values()))}\n")
+    summary = seed_summary(by_seed)
+    print(format_seed_summary(summary))
+    if args.json:
+        runs = {f"{arm}/seed{seed}": run for seed, by_arm in by_seed.items() for arm, run in by_arm.items()}
+        path = write_json(args.json, {**envelope("seeds", argv, runs, False, []), "seeds": summary,
+                                      "files": list(args.files)})
+        print(f"figures: {path}")
+    return 0
+
+
 def entry() -> int:
     """The ``daf`` program (console script and ``python -m daf.cli``): ``main`` on this process's
     arguments, where ``daf train`` may start the process again on the preloaded allocator."""
@@ -402,6 +431,8 @@ def main(argv: list[str] | None = None, whole_process: bool = False) -> int:
             cls = workload_class(name)
             print(f"{name:16} {cls.summary} (default {cls.default_steps} steps of batch {cls.default_batch})")
         return 0
+    if args.command == "seeds":
+        return _seeds(args, argv)
     if args.command == "run":
         from daf.cli.launch import launch
         return launch(parser, args)

@@ -1,4 +1,5 @@
-"""``daf compare --seeds N``: the same comparison at N seeds, summarized as mean and spread.
+"""``daf compare --seeds N``: the same comparison at N seeds, summarized as mean and spread; ``daf seeds
+FILE...``: the same summary over runs made at different times (each seed in its own run or session).
 
 One seed is one sample of the initial weights and the data order; a difference of a few tenths of a
 point between fp32 and DAF is within what the seed alone moves (docs/results.md), so accuracy figures
@@ -12,7 +13,7 @@ from typing import Any
 
 from daf.cli.table import headline
 
-__all__ = ["seed_summary", "format_seed_summary"]
+__all__ = ["seed_summary", "format_seed_summary", "combine_records"]
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -62,3 +63,70 @@ def format_seed_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  DAF - fp32: {difference['mean']:+.2f} ± {difference['std']:.2f} {difference['unit']} "
                      f"({difference['min']:+.2f} .. {difference['max']:+.2f})")
     return "\n".join(lines)
+
+
+# -- ``daf seeds FILE...``: one summary over runs made at different times ----------------------------
+
+_SAME_FOR_ALL = ("workload", "steps_requested", "batch")
+_NOT_THE_METHOD = ("allocator", "backend")  # where tensors come from and which kernels: not what is compared
+
+
+def _method(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a DAF config compresses with (None for fp32), without the settings that do not change it."""
+    if config is None:
+        return None
+    from daf.config import Config
+    return {k: v for k, v in Config.from_dict(config).to_dict().items() if k not in _NOT_THE_METHOD}
+
+
+def combine_records(records: list[tuple[str, dict[str, Any]]]) -> tuple[dict[int, dict[str, dict[str, Any]]], list[str]]:
+    """Runs of ``daf train`` / ``daf compare`` JSON files (``(file, data)``), by seed and arm, and notes on the
+    runs left out (interrupted or not evaluated). ValueError, naming the files, when they cannot be one
+    comparison: other workloads, steps, batches, workload options or DAF settings, two runs of one arm at
+    one seed, or an fp32 and a DAF run of one seed that did not start from the same weights and batches."""
+    from daf.cli.table import config_label
+    runs: list[tuple[str, dict[str, Any]]] = []
+    notes: list[str] = []
+    for name, data in records:
+        if data.get("schema") != "daf.results/1":
+            raise ValueError(f"{name}: not a daf results file (schema {data.get('schema')!r}, expected 'daf.results/1')")
+        for run in data["runs"].values():
+            if run.get("interrupted") or run.get("steps_done") != run.get("steps_requested") or headline(run) is None:
+                notes.append(f"{name}: the {run['arm']} run of seed {run['seed']} is left out (interrupted or "
+                             f"not evaluated: {run.get('steps_done')}/{run.get('steps_requested')} steps)")
+            else:
+                runs.append((name, run))
+    if not runs:
+        raise ValueError("no finished run in " + ", ".join(name for name, _ in records))
+    first_name, first = runs[0]
+    methods: dict[str, tuple[str, Any, Any]] = {}  # arm -> (file, method, config) of its first run
+    by_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    where: dict[tuple[int, str], str] = {}
+    for name, run in runs:
+        for key in (*_SAME_FOR_ALL, "options"):
+            mine, theirs = _without_seed(run, key), _without_seed(first, key)
+            if mine != theirs:
+                raise ValueError(f"{name} and {first_name} differ in {key} ({mine!r} against {theirs!r}): "
+                                 f"not one comparison")
+        arm = "fp32" if run["config"] is None else "daf"
+        method = _method(run["config"])
+        if arm in methods and methods[arm][1] != method:
+            raise ValueError(f"{name} and {methods[arm][0]} trained DAF differently ({config_label(run['config'])} "
+                             f"against {config_label(methods[arm][2])}): not one comparison")
+        methods.setdefault(arm, (name, method, run["config"]))
+        seed = int(run["seed"])
+        if (seed, arm) in where:
+            raise ValueError(f"two {arm} runs of seed {seed}: {where[seed, arm]} and {name}; give one of them")
+        where[seed, arm] = name
+        by_seed.setdefault(seed, {})[arm] = run
+    for seed, pair in by_seed.items():
+        if len(pair) == 2 and any(pair["fp32"][d] != pair["daf"][d] for d in ("init_digest", "data_digest")):
+            raise ValueError(f"seed {seed}: the fp32 run ({where[seed, 'fp32']}) and the DAF run "
+                             f"({where[seed, 'daf']}) did not start from the same weights and batches "
+                             f"(init_digest/data_digest differ)")
+    return dict(sorted(by_seed.items())), notes
+
+
+def _without_seed(run: dict[str, Any], key: str) -> Any:
+    value = run.get(key)
+    return {k: v for k, v in value.items() if k != "seed"} if key == "options" and isinstance(value, dict) else value
