@@ -10,14 +10,17 @@ In order (the first that holds decides):
    gradient;
 2. ReLU's own save of its output, with masks on: an exact 1-bit mask (``relu_mask``);
 3. not compressible (no autograd history, not floating point, small, sparse, meta, float64
-   magnitudes the codes cannot carry): an exact mask if it holds two values, else kept raw;
+   magnitudes the codes cannot carry): an exact mask if it holds two values, else kept raw. A tensor
+   without history that a submodule made in this forward (a frozen layer's output, LoRA's dropped-out
+   input) and that a linear, matmul or convolution saves is compressible: their backward only
+   multiplies by it;
 4. an earlier save of the same tensor in this forward is stored: shared;
 5. two values only (dropout masks): an exact mask;
 6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
    its nonzeros (``nonzeros``);
 7. codes at the bits the policy gives; 0 bits keeps it raw.
 
-Tensors without autograd history (input data, statistics such as attention's logsumexp,
+Other tensors without autograd history (input data, statistics such as attention's logsumexp,
 values computed under no_grad) stay raw: backward may feed them to exp(), which turns a
 quantization step into a multiplicative error, and input batches are held by the caller anyway.
 """
@@ -73,7 +76,9 @@ class Encoding:
 class Context:
     """What routing knows besides the tensor. ``shared``: the record of an earlier save of this tensor,
     if one is stored (else None); ``relu_mask``: the record of ReLU's mask of this very tensor, if one is
-    stored; ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
+    stored; ``input_made_here``: the tensor has no autograd history, was made in this forward by a
+    submodule (a frozen layer's output) and is saved by a linear, matmul or convolution, whose backward
+    only multiplies by it; ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
 
     site: str
     op: OpCall | None
@@ -84,6 +89,7 @@ class Context:
     min_numel: int
     nonzeros_only: bool
     bits_for: Callable[[str, torch.Tensor, OpCall | None], int]
+    input_made_here: bool = False
 
 
 PARAMETER = Encoding(Kind.PARAMETER)
@@ -106,7 +112,7 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
         return RAW
     if context.masks and context.op is not None and context.op.is_relu and is_relu_result(tensor):
         return RELU_MASK
-    if not compressible(tensor, context.min_numel):
+    if not compressible(tensor, context.min_numel, context.input_made_here):
         return _mask_or(tensor, context, RAW)
     if context.shared is not None:
         return SHARED
@@ -137,8 +143,8 @@ def is_relu_result(tensor: torch.Tensor) -> bool:
             and tensor.dtype.is_floating_point and tensor.layout == torch.strided and not tensor.is_meta)
 
 
-def compressible(tensor: torch.Tensor, min_numel: int) -> bool:
-    return (tensor.grad_fn is not None and tensor.dtype in FLOAT_DTYPES
+def compressible(tensor: torch.Tensor, min_numel: int, input_made_here: bool = False) -> bool:
+    return ((tensor.grad_fn is not None or input_made_here) and tensor.dtype in FLOAT_DTYPES
             and tensor.numel() >= max(min_numel, 1) and tensor.layout == torch.strided and not tensor.is_meta
             and (tensor.dtype != torch.float64 or within_codec_range(tensor)))
 

@@ -22,7 +22,7 @@ from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived
 from daf.runtime.route import Context, Encoding, Kind, route
-from daf.tracing import OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, parameter_storages
+from daf.tracing import OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call, parameter_storages
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -142,6 +142,7 @@ class Session:
     def end_forward(self) -> None:
         self._collect_pending()
         self.forwards += 1
+        self.sites.made.clear()  # addresses: after forward they may be any tensor's
         self._shared.clear()
         self._relu_masks.clear()
         self.accounting.end()
@@ -180,7 +181,10 @@ class Session:
                 tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0)
 
     def _context(self, site: str, tensor: torch.Tensor, op: OpCall | None) -> Context:
+        arguments = op.weight_arguments if tensor.grad_fn is None and op is not None else []
+        input_made_here = bool(arguments) and (self.sites.made_in_forward(tensor) or made_in_call(tensor, arguments))
         return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
+                       input_made_here=input_made_here,
                        shared=self._shared.get(tensor), relu_mask=self._relu_masks.get(tensor),
                        masks=self.config.masks,
                        min_numel=self.config.min_numel, nonzeros_only=self.policy.codes_nonzeros_only,

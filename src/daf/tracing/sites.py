@@ -9,7 +9,9 @@ bit policy and the importance index key on.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -26,6 +28,10 @@ class SiteTracker:
     def __init__(self) -> None:
         self._local = PerThreadStack()  # a forward on another thread has a module stack of its own
         self._counts: Counter[str] = Counter()
+        # Storages of the floating-point tensors without autograd history that submodules returned in
+        # this forward (a frozen layer's output before the first trained one): made here, held by
+        # nobody but autograd once saved, unlike the caller's input batch.
+        self.made: set[int] = set()
 
     @property
     def _stack(self) -> list[str]:
@@ -35,6 +41,20 @@ class SiteTracker:
         """Start counting a new forward."""
         self._counts.clear()
         self._stack.clear()
+        self.made.clear()
+
+    def made_in_forward(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (or what it views) was returned, without autograd history, by a submodule in
+        this forward."""
+        return bool(self.made) and tensor.untyped_storage().data_ptr() in self.made
+
+    def _note(self, args: tuple, output: Any) -> None:
+        if not torch.is_grad_enabled():  # evaluation: nothing is saved for backward
+            return
+        for value in output if isinstance(output, (tuple, list)) else (output,):
+            if (isinstance(value, torch.Tensor) and value.grad_fn is None and value.is_floating_point()
+                    and not value.requires_grad and not any(value is a for a in args)):  # an identity returns the input
+                self.made.add(value.untyped_storage().data_ptr())
 
     def next_site(self) -> str:
         path = self._stack[-1] if self._stack else ROOT
@@ -64,4 +84,5 @@ class SiteTracker:
             # An exception inside a child may have left its own entry unpopped; unwind to ours.
             while self._stack and self._stack.pop() != path:
                 pass
+            self._note(args, output)
         return hook

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 __all__ = ["TensorTable", "tensor_key", "parameter_storages", "is_parameter", "cast_of_parameter", "parameter_of_cast",
-           "frozen_parameter_of_cast", "is_dense"]
+           "frozen_parameter_of_cast", "made_in_call", "is_dense"]
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
@@ -141,6 +141,16 @@ def frozen_parameter_of_cast(tensor: torch.Tensor, args: list[torch.Tensor]) -> 
             or layout[1] != list(parameter.stride())):
         return None
     return parameter if _samples_agree(base, parameter) else None
+
+
+def made_in_call(tensor: torch.Tensor, args: list[torch.Tensor]) -> bool:
+    """Whether ``tensor``, saved by the call that got tensors ``args``, is a copy made inside it (a matmul's
+    reshaped operand, autocast's cast of an input): no argument shares its memory, so nobody but autograd
+    holds it. Not when it has the size of a parameter argument: that may be a weight's copy, never
+    quantized (``frozen_parameter_of_cast`` derives the ones it can prove)."""
+    storage = tensor.untyped_storage().data_ptr()
+    return all(a.untyped_storage().data_ptr() != storage and not (isinstance(a, torch.nn.Parameter)
+                                                                  and a.numel() == tensor.numel()) for a in args)
 
 
 def _samples_agree(copy: torch.Tensor, parameter: torch.Tensor, count: int = 16) -> bool:
