@@ -9,17 +9,11 @@ import daf
 from daf.cli import main
 from daf.cli.record import envelope
 from daf.cli.seeds import combine_records
-from daf.workloads.train import RunSettings, run_training
-
-TINY = {"train_size": 256, "eval_size": 100}
 
 
-@pytest.fixture(scope="module")
-def pair():
-    fp32 = run_training(RunSettings("tiny-mnist", dict(TINY), steps=2, batch=32, progress=False))
-    compressed = run_training(RunSettings("tiny-mnist", dict(TINY), steps=2, batch=32, daf=daf.Config(bits=2),
-                                          progress=False))
-    return fp32, compressed
+@pytest.fixture
+def pair(tiny_arms):
+    return tiny_arms
 
 
 def _at_seed(run: dict, seed: int, accuracy: float) -> dict:
@@ -57,7 +51,7 @@ def test_interrupted_runs_are_left_out_and_named(pair):
     by_seed, notes = combine_records([("a.json", {"schema": "daf.results/1", "runs": {
         "f0": _at_seed(fp32, 0, 0.9), "d0": _at_seed(compressed, 0, 0.9), "d1": stopped}})])
     assert list(by_seed) == [0] and notes == ["a.json: the daf run of seed 1 is left out (interrupted or not "
-                                              "evaluated: 2/2 steps)"]
+                                              "evaluated: 4/4 steps)"]
 
 
 def _refusal(records) -> str:
@@ -75,7 +69,7 @@ def test_what_cannot_be_one_comparison_is_refused_naming_the_files(pair):
         [("a.json", wrap(_at_seed(compressed, 0, 0.9))), ("b.json", wrap(other_bits))])
     other_steps = _at_seed(fp32, 1, 0.9)
     other_steps["steps_requested"] = other_steps["steps_done"] = 3
-    assert "differ in steps_requested (3 against 2)" in _refusal([("a.json", wrap(_at_seed(fp32, 0, 0.9))),
+    assert "differ in steps_requested (3 against 4)" in _refusal([("a.json", wrap(_at_seed(fp32, 0, 0.9))),
                                                                   ("b.json", wrap(other_steps))])
     assert "two fp32 runs of seed 0: a.json and b.json" in _refusal([("a.json", wrap(_at_seed(fp32, 0, 0.9))),
                                                                      ("b.json", wrap(_at_seed(fp32, 0, 0.8)))])

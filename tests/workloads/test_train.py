@@ -11,12 +11,9 @@ from daf.workloads.train import RunSettings, run_training
 TINY = {"train_size": 256, "eval_size": 100}
 
 
-@pytest.fixture(scope="module")
-def arms():
-    fp32 = run_training(RunSettings("tiny-mnist", dict(TINY), steps=4, batch=32, progress=False))
-    compressed = run_training(RunSettings("tiny-mnist", dict(TINY), steps=4, batch=32, daf=daf.Config(bits=2),
-                                          progress=False))
-    return fp32, compressed
+@pytest.fixture
+def arms(tiny_arms):
+    return tiny_arms
 
 
 def test_record_fields(arms):
