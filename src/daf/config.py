@@ -47,7 +47,7 @@ __all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "p
 CONFIG_VERSION = 2
 
 _ROUNDINGS = ("stochastic", "nearest")
-_GENERIC_MODES = ("hold", "floor", "trade")  # daf.policy.adaptive.GENERIC_MODES (tests hold the two equal)
+GENERIC_MODES = ("hold", "floor", "trade")  # what Adaptive.generic may be (daf.policy.adaptive reads it)
 _AXES = ("channel", "token")  # of Outliers
 _BACKENDS = ("auto", "native", "reference")
 _ALLOCATORS = ("auto", "system", *ALLOCATORS)
@@ -190,8 +190,8 @@ class Adaptive:
         _check_number("Adaptive.smoothing", self.smoothing, 0, 1, high_open=True)
         _check_number("Adaptive.min_gain", self.min_gain, 0, 1)
         _check_bool("Adaptive.allow_raw", self.allow_raw)
-        if self.generic not in _GENERIC_MODES:
-            raise ValueError(f"Adaptive.generic must be one of {_GENERIC_MODES}, got {self.generic!r}")
+        if self.generic not in GENERIC_MODES:
+            raise ValueError(f"Adaptive.generic must be one of {GENERIC_MODES}, got {self.generic!r}")
 
 
 @_immutable

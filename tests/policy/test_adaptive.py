@@ -145,9 +145,9 @@ def test_nonzeros_only_site_is_costed_over_the_whole_activation():
 
 
 def test_generic_modes_are_checked_in_the_config():
-    from daf.config import _GENERIC_MODES
+    from daf.config import GENERIC_MODES as CONFIG_MODES
     from daf.policy.adaptive import GENERIC_MODES
-    assert _GENERIC_MODES == GENERIC_MODES
+    assert CONFIG_MODES == GENERIC_MODES == ("hold", "floor", "trade")
     with pytest.raises(ValueError, match=r"Adaptive.generic must be one of \('hold', 'floor', 'trade'\), got 'hld'"):
         daf.Adaptive(generic="hld")
     assert daf.Config.from_dict(daf.Config(policy=daf.Adaptive(generic="trade")).to_dict()).policy.generic == "trade"

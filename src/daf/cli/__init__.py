@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
-from daf.config import ALLOWED_BITS, Adaptive, Config, Division, MinMax, Outliers
+from daf.config import ALLOWED_BITS, GENERIC_MODES, Adaptive, Config, Division, MinMax, Outliers
 
 __all__ = ["main", "entry", "build_parser"]
 
@@ -109,7 +109,7 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
                                "importance, at --average bits per element)")
     compress.add_argument("--average", type=_average,
                           help="the adaptive policy's average bits per element, in [1, 8] (2.0)")
-    compress.add_argument("--generic", choices=("hold", "floor", "trade"),
+    compress.add_argument("--generic", choices=GENERIC_MODES,
                           help="the adaptive policy's sites whose estimate is unsure (norm, activation, softmax, "
                                "attention inputs): hold at the uniform width (default), floor (may raise, never "
                                "cut) or trade")

@@ -36,15 +36,13 @@ from typing import Any
 
 import torch
 
-from daf.config import ALLOWED_BITS, Adaptive
+from daf.config import ALLOWED_BITS, GENERIC_MODES, Adaptive
 from daf.policy.allocator import RAW_BITS, Plan, Site, allocate
 from daf.policy.importance import ImportanceEstimator
 from daf.policy.uniform import Policy
 from daf.tracing import OpCall
 
 __all__ = ["AdaptivePolicy", "GENERIC_MODES"]
-
-GENERIC_MODES = ("hold", "floor", "trade")
 
 
 class AdaptivePolicy(Policy):

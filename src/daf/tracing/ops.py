@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -77,9 +78,10 @@ class OpCall:
     def is_relu(self) -> bool:
         return self.func in RELU_FUNCTIONS
 
-    @property
+    @cached_property
     def weight_arguments(self) -> list[torch.Tensor]:
-        """The tensors given to a linear, matmul or convolution (``WEIGHT_FUNCTIONS``); empty for other calls."""
+        """The tensors given to a linear, matmul or convolution (``WEIGHT_FUNCTIONS``); empty for other calls.
+        Made once per call: routing and the session ask it for each save of the call without history."""
         if self.func not in WEIGHT_FUNCTIONS:
             return []
         return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, torch.Tensor)]
