@@ -111,3 +111,47 @@ def test_log_softmax_output_keeps_eight_bits(monkeypatch):
     monkeypatch.setattr(session_module, "SOFTMAX_RECOMPUTE_BITS", 2)
     broken = grads()
     assert ((broken - reference).norm() / reference.norm()).item() > 2 * error  # 2.1 when measured
+
+
+class EagerAttention(torch.nn.Module):
+    """Attention written out: the softmax saves its probabilities, the matmul saves them again."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.q, self.v = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.q(x) @ x.transpose(-1, -2)).softmax(-1) @ self.v(x)
+
+
+@pytest.mark.parametrize("bits, expected", [(1, 4), (2, 4), (4, 4), (8, 8)])
+def test_softmax_probabilities_keep_4_bits_at_least(bits, expected):
+    model = daf.wrap(EagerAttention(), bits=bits)
+    model(torch.randn(4, 64, 32)).sum().backward()
+    rows = [r for r in daf.report(model).rows if r.source == "SoftmaxBackward0"]
+    assert [(r.kind, r.bits) for r in rows] == [("compressed", expected)]
+    others = [r for r in daf.report(model).rows if r.kind == "compressed" and r.source != "SoftmaxBackward0"]
+    assert others and all(r.bits == bits for r in others)
+
+
+def test_the_probability_floor_cuts_the_gradient_error(monkeypatch):
+    torch.manual_seed(0)
+    model, x = EagerAttention(), 3 * torch.randn(8, 64, 32)  # sharp attention, as pretrained models have
+    reference = _grads(model, x)
+    daf.wrap(model, bits=2)
+    floor = _grads(model, x)
+    monkeypatch.setattr(session_module, "PROBABILITY_BITS", 2)
+    without = _grads(model, x)
+    error = lambda g: ((g - reference).norm() / reference.norm()).item()  # noqa: E731
+    assert error(floor) < 0.5 * error(without)
+
+
+def test_a_raw_choice_of_the_policy_stays_raw_for_probabilities():
+    from daf.policy.exponent_guard import guarded_bits
+
+    class KeepRaw:
+        def bits_for(self, site, x):
+            return 0
+
+    probabilities = torch.randn(64, 64, requires_grad=True).softmax(-1)
+    assert guarded_bits(KeepRaw(), "s", probabilities) == 0

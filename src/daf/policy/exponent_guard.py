@@ -1,4 +1,5 @@
-"""A rule that holds under every bit policy: what backward exponentiates keeps 8 bits at least.
+"""Rules that hold under every bit policy: what backward exponentiates keeps 8 bits at least, and
+softmax probabilities keep 4.
 
 Fused attention (flash / memory-efficient kernels) saves query, key, value, its output and the
 exact logsumexp of the logits; backward recomputes softmax as exp(q k^T * scale - logsumexp) and
@@ -11,6 +12,12 @@ The math path (used with dropout) saves its own intermediates and is left to the
 
 ``log_softmax``'s output (``cross_entropy`` saves it) is the other case: its backward is
 ``grad - exp(output) * sum(grad)``; at 2 bits SmolLM2's gradient was off by 1300x its norm.
+
+Softmax's own output (eager attention's probabilities, and the math path's when dropout is on) keeps
+``PROBABILITY_BITS`` (4): of every kind of save in pretrained MiniLM + LoRA, its 2-bit codes cost the
+most (relative error of the LoRA gradients 1.0 with them alone at 2 bits and the rest at 8; 0.29 at 4).
+Under dropout the dropped map, the same size, is derived from these codes and stores nothing
+(``daf.tracing.products``), so 4 bits here cost what two 2-bit maps did (docs/transformers.md).
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ import torch
 from daf.policy.uniform import Policy
 from daf.tracing import OpCall
 
-__all__ = ["guarded_bits", "SOFTMAX_RECOMPUTE_BITS", "backward_exponentiates"]
+__all__ = ["guarded_bits", "floor_bits", "SOFTMAX_RECOMPUTE_BITS", "PROBABILITY_BITS", "backward_exponentiates",
+           "is_probability_map"]
 
 SOFTMAX_RECOMPUTE_BITS = 8
+PROBABILITY_BITS = 4
+_SOFTMAX_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 
 
 def backward_exponentiates(call: OpCall | None, tensor: torch.Tensor) -> bool:
@@ -33,10 +43,20 @@ def backward_exponentiates(call: OpCall | None, tensor: torch.Tensor) -> bool:
     return call is not None and call.is_fused_attention_save(tensor)
 
 
+def is_probability_map(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is softmax's output (log_softmax's is ``backward_exponentiates``)."""
+    return tensor.grad_fn is not None and type(tensor.grad_fn).__name__ in _SOFTMAX_NODES
+
+
+def floor_bits(x: torch.Tensor, op: OpCall | None = None) -> int:
+    """The fewest bits these rules allow for ``x`` (1: no rule applies)."""
+    if backward_exponentiates(op, x):
+        return SOFTMAX_RECOMPUTE_BITS
+    return PROBABILITY_BITS if is_probability_map(x) else 1
+
+
 def guarded_bits(policy: Policy, site: str, x: torch.Tensor, op: OpCall | None = None) -> int:
-    """``policy.bits_for(site, x)``, raised to SOFTMAX_RECOMPUTE_BITS where backward exponentiates:
-    whatever the policy, this rule holds."""
+    """``policy.bits_for(site, x)``, raised to ``floor_bits``: whatever the policy, these rules hold
+    (a raw choice, 0 bits, stays raw)."""
     bits = policy.bits_for(site, x)
-    if bits and backward_exponentiates(op, x):
-        return max(bits, SOFTMAX_RECOMPUTE_BITS)
-    return bits
+    return max(bits, floor_bits(x, op)) if bits else bits

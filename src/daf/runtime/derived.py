@@ -1,4 +1,5 @@
-"""Saves that DAF derives instead of storing: autocast's cast of a parameter, recast in backward.
+"""Saves that DAF derives instead of storing: autocast's cast of a parameter, recast in backward; a
+product of a stored tensor and a stored exact mask (dropout's output), remultiplied in backward.
 
 Under ``torch.autocast`` a matmul or convolution saves the bf16 (or fp16) copy of its weight, often
 through a transpose. Autograd keeps the fp32 parameter alive anyway (its ``AccumulateGrad`` node holds
@@ -15,11 +16,12 @@ DAF raises, naming the site, rather than return values that the copy never held.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Derived"]
+__all__ = ["Derived", "DerivedProduct"]
 
 
 class _VersionCheck(Protocol):
@@ -63,3 +65,22 @@ class Derived:
             f"other values than the copy forward used (plain PyTorch raises here too without autocast, and under "
             f"autocast silently uses the old copy). Change parameters after backward (loss.backward() before "
             f"optimizer.step()), or out of place.")
+
+
+class DerivedProduct:
+    """``(x * mask).reshape(shape)`` saved at ``site``, where ``x`` and ``mask`` are records of this session
+    (dropout's output: attention's probabilities times the noise). Nothing is stored and no error is added:
+    the mask is exact, so the product carries exactly the error of ``x``'s codes, as it would if it were
+    computed again in backward from the same codes. The records stay alive with it."""
+
+    __slots__ = ("x", "mask", "shape", "dtype", "site", "source", "unpack_record")
+
+    def __init__(self, tensor: torch.Tensor, x: Any, mask: Any, site: str, source: _VersionCheck,
+                 unpack_record: Callable[[Any], torch.Tensor]) -> None:
+        self.x, self.mask, self.shape, self.dtype = x, mask, tuple(tensor.shape), tensor.dtype
+        self.site, self.source, self.unpack_record = site, source, unpack_record
+
+    def unpack(self) -> torch.Tensor:
+        self.source.check(self.site)
+        product = self.unpack_record(self.x) * self.unpack_record(self.mask)
+        return product.to(self.dtype).reshape(self.shape)

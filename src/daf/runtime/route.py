@@ -14,7 +14,9 @@ In order (the first that holds decides):
    without history that a submodule made in this forward (a frozen layer's output, LoRA's dropped-out
    input) and that a linear, matmul or convolution saves is compressible: their backward only
    multiplies by it;
-4. an earlier save of the same tensor in this forward is stored: shared;
+4. an earlier save of the same tensor in this forward is stored: shared; a product of a stored
+   tensor and a stored exact mask (dropout's output, ``daf.tracing.products``): derived from the two
+   records, nothing stored and no error added;
 5. two values only (dropout masks): an exact mask;
 6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
    its nonzeros (``nonzeros``);
@@ -63,13 +65,13 @@ class Encoding:
     """How one saved tensor is kept: ``kind``, code width ``bits`` (1 for masks, None when not
     stored), the registry name of its ``codec``, and the two ``values`` of a mask. ``data`` is what
     the codec encodes when it is not the tensor itself (the nonzeros), or for a derived save the parameter it is
-    derived from; it takes no part in equality."""
+    derived from (or the records (x, mask) of a product); it takes no part in equality."""
 
     kind: Kind
     bits: int | None = None
     codec: str | None = None
     values: tuple[float, float] | None = None
-    data: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    data: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ class Context:
     if one is stored (else None); ``relu_mask``: the record of ReLU's mask of this very tensor, if one is
     stored; ``input_made_here``: the tensor has no autograd history, was made in this forward by a
     submodule (a frozen layer's output) and is saved by a linear, matmul or convolution, whose backward
-    only multiplies by it; ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
+    only multiplies by it; ``product_of``: the records (x, mask) when the tensor is x times an exact mask,
+    both stored in this forward; ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
 
     site: str
     op: OpCall | None
@@ -90,6 +93,7 @@ class Context:
     nonzeros_only: bool
     bits_for: Callable[[str, torch.Tensor, OpCall | None], int]
     input_made_here: bool = False
+    product_of: tuple[Any, Any] | None = None
 
 
 PARAMETER = Encoding(Kind.PARAMETER)
@@ -116,6 +120,8 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
         return _mask_or(tensor, context, RAW)
     if context.shared is not None:
         return SHARED
+    if context.product_of is not None:
+        return Encoding(Kind.DERIVED, data=context.product_of)
     mask = _mask_or(tensor, context, None)
     if mask is not None:
         return mask

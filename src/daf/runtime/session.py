@@ -6,6 +6,7 @@ lives at module level. ``pack`` and ``unpack`` are the saved-tensor hooks.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -20,9 +21,10 @@ from daf.policy.exponent_guard import guarded_bits
 from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
-from daf.runtime.derived import Derived
+from daf.runtime.derived import Derived, DerivedProduct
 from daf.runtime.route import Context, Encoding, Kind, route
-from daf.tracing import OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call, parameter_storages
+from daf.tracing import (OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call, masked_product_of,
+                         parameter_storages)
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -41,12 +43,12 @@ class _Saved:
     kept alive with it, which says where they go and the output's shape, order and dtype.
     """
 
-    __slots__ = ("store", "ref", "site", "pending", "mask", "source", "row", "__weakref__")
+    __slots__ = ("store", "ref", "site", "pending", "mask", "source", "row", "exact", "numel", "__weakref__")
 
     def __init__(self, store: Store, ref: int | None, site: str, source: "_Source",
                  pending: tuple[Future, float] | None = None, mask: "_Saved | None" = None) -> None:
         self.store, self.ref, self.site, self.pending, self.mask = store, ref, site, pending, mask
-        self.source, self.row = source, -1
+        self.source, self.row, self.exact, self.numel = source, -1, False, 0
 
     def __del__(self) -> None:
         if self.ref is None:
@@ -118,6 +120,12 @@ class Session:
         self._packs = 0
         self._shared = TensorTable()  # stored tensors of this forward: a second save shares the record
         self._relu_masks = TensorTable()  # ReLU masks of this forward, for the codes of nonzeros only
+        # Records of this forward by the autograd node (and output number) that made their tensor: the x of
+        # a dropout product x * mask is found from the multiply's input edge. The node is kept with it, so
+        # that its id cannot be reused while the entry lives.
+        self._outputs: dict[tuple[int, int], tuple[Any, _Saved]] = {}
+        # (thread, records) while _record_behind reads a graph node's _saved_*: another thread's unpacks go on
+        self._captured: tuple[int, list[Any]] | None = None
         self._parameter_storages: set[int] = set()
         self.packer = BackgroundPacker(self.codecs.serial_twin()) if config.background else None
         self._pending: list[_Saved] = []
@@ -136,6 +144,7 @@ class Session:
         self.accounting.begin()
         self._shared.clear()
         self._relu_masks.clear()
+        self._outputs.clear()
         self._parameter_storages = parameter_storages(model)
         self.policy.on_forward_start(self.forwards)
 
@@ -145,6 +154,7 @@ class Session:
         self.sites.made.clear()  # addresses: after forward they may be any tensor's
         self._shared.clear()
         self._relu_masks.clear()
+        self._outputs.clear()
         self.accounting.end()
 
     def continue_forward(self) -> None:
@@ -175,8 +185,11 @@ class Session:
             return self._encode_and_put(encoding, tensor, context)
         if encoding.kind is Kind.SHARED:
             return context.shared, 0
-        if encoding.kind is Kind.DERIVED:
+        if encoding.kind is Kind.DERIVED and isinstance(encoding.data, torch.Tensor):
             return Derived(tensor, encoding.data, context.site, _Source(tensor)), 0
+        if encoding.kind is Kind.DERIVED:
+            x, mask = encoding.data
+            return DerivedProduct(tensor, x, mask, context.site, _Source(tensor), self.unpack), 0
         return (_Kept(tensor, context.site),
                 tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0)
 
@@ -184,11 +197,37 @@ class Session:
         arguments = op.weight_arguments if tensor.grad_fn is None and op is not None else []
         input_made_here = bool(arguments) and (self.sites.made_in_forward(tensor) or made_in_call(tensor, arguments))
         return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
-                       input_made_here=input_made_here,
+                       input_made_here=input_made_here, product_of=self._product_of(tensor),
                        shared=self._shared.get(tensor), relu_mask=self._relu_masks.get(tensor),
                        masks=self.config.masks,
                        min_numel=self.config.min_numel, nonzeros_only=self.policy.codes_nonzeros_only,
                        bits_for=self._bits_for)
+
+    def _product_of(self, tensor: torch.Tensor) -> tuple["_Saved", "_Saved"] | None:
+        """The records (x, mask) when ``tensor`` is x times an exact mask and both are stored in this forward."""
+        product = masked_product_of(tensor) if self.config.masks else None
+        if product is None:
+            return None
+        entry = self._outputs.get((id(product.node), product.output_nr))
+        mask = self._record_behind(product.multiply, product.mask_attribute)
+        if entry is None or entry[0] is not product.node or not isinstance(mask, _Saved) or not mask.exact:
+            return None
+        if mask.numel != tensor.numel():  # a broadcast mask: the product has elements of its own
+            return None
+        return entry[1], mask
+
+    def _record_behind(self, node: Any, attribute: str) -> Any:
+        """What this session's pack hook returned for the tensor that ``node`` saved as ``attribute``:
+        reading a ``_saved_*`` attribute calls the unpack hook, which here only names the record."""
+        captured: list[Any] = []
+        self._captured = (threading.get_ident(), captured)
+        try:
+            getattr(node, attribute)
+        except Exception:  # released, or not a saved tensor: no product to derive
+            return None
+        finally:
+            self._captured = None
+        return captured[0] if len(captured) == 1 else None
 
     def _encode_and_put(self, encoding: Encoding, tensor: torch.Tensor, context: Context) -> tuple["_Saved", int]:
         """Encode (here or on the packer's thread) and store; (the record, its bytes: 0 while pending)."""
@@ -207,6 +246,9 @@ class Session:
             packed = self.codecs.encode(encoding.codec, data, spec)
             saved = _Saved(self.store, self.store.put(packed, importance, site), site, _Source(tensor), None, mask)
             stored = packed.nbytes
+        saved.exact, saved.numel = encoding.kind in (Kind.MASK, Kind.RELU_MASK), tensor.numel()
+        if tensor.grad_fn is not None:
+            self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
         elif not self.codecs.consumer_only(encoding.codec, data, spec):  # GELU's derivative codes are GELU's only
@@ -228,7 +270,11 @@ class Session:
             op.saves.append((site, tensor))
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, (_Kept, Derived)):
+        captured = self._captured
+        if captured is not None and captured[0] == threading.get_ident():  # _record_behind: which record, no decode
+            captured[1].append(saved)
+            return torch.empty(0)
+        if isinstance(saved, (_Kept, Derived, DerivedProduct)):
             return saved.unpack()
         saved.source.check(saved.site)
         recent = self._recent

@@ -1,0 +1,55 @@
+"""Saved tensors that are another tensor times a mask, as dropout makes them on a CPU.
+
+``F.dropout`` on a CPU computes ``x * noise`` (``noise``: no autograd history, two values, 0 and
+``1 / (1 - p)``); the multiply saves ``noise`` and the next op (attention's ``p @ v``, a linear)
+saves the product. When ``x`` is itself saved (attention's probabilities, saved by the softmax),
+the product holds nothing that ``x`` and the mask do not: the session derives it from their records
+instead of storing a third copy (``daf.runtime.derived.DerivedProduct``).
+
+This module only reads the autograd graph: which node multiplied, which of its inputs had history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["MaskedProduct", "masked_product_of"]
+
+# Nodes whose output holds its input's elements in the same row-major order (an expand to the same
+# number of elements is the identity): the product can be remade as ``(x * mask).reshape(shape)``.
+_ORDER_KEEPING = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0"})
+
+
+@dataclass(frozen=True)
+class MaskedProduct:
+    """``tensor == (x * mask).reshape(tensor.shape)``: ``x`` is output ``output_nr`` of autograd node
+    ``node``; the mask is the tensor that the multiply's node ``multiply`` saved as ``mask_attribute``."""
+
+    node: Any
+    output_nr: int
+    multiply: Any
+    mask_attribute: str
+
+
+def masked_product_of(tensor: torch.Tensor) -> MaskedProduct | None:
+    """Whether ``tensor`` is, through order-keeping views, ``x * m`` with ``x`` from the graph and ``m``
+    without history (dropout's noise; whether ``m`` is an exact mask, the caller checks).
+    Contiguous tensors only: the remade product is contiguous."""
+    node = tensor.grad_fn
+    if node is None or not tensor.is_contiguous():
+        return None
+    while type(node).__name__ in _ORDER_KEEPING:
+        node = node.next_functions[0][0]
+        if node is None:
+            return None
+    if type(node).__name__ != "MulBackward0":
+        return None
+    (left, left_nr), (right, right_nr) = node.next_functions
+    if left is not None and right is None:
+        return MaskedProduct(left, left_nr, node, "_saved_other")
+    if left is None and right is not None:
+        return MaskedProduct(right, right_nr, node, "_saved_self")
+    return None
