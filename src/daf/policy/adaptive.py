@@ -82,6 +82,9 @@ class AdaptivePolicy(Policy):
         self._credit = 0  # element-bits the planned sites of this forward left unused so far
         self._watching = True
         self._importance: dict[str, float] = {}
+        self._given: dict[str, int] = {}  # what bits_for last gave each site
+        # bits a rule above every policy raised a site to (daf.policy.exponent_guard): the plan counts them
+        self._floors: dict[str, int] = {}
 
     # -- the Policy interface ----------------------------------------------------------------
     def on_forward_start(self, step: int) -> None:
@@ -97,6 +100,11 @@ class AdaptivePolicy(Policy):
         """The plan's bits for ``site``; fewer if ``x`` has grown past the element-bits the plan gave it
         plus what the sites before it in this forward left unused (the nonzeros of a ReLU output vary
         from step to step). So the planned sites never store more than the plan, at every step."""
+        bits = self._planned_bits(site, x)
+        self._given[site] = bits
+        return bits
+
+    def _planned_bits(self, site: str, x: torch.Tensor) -> int:
         if self.plan is None:
             return self.default_bits
         bits = self.plan.bits.get(site)
@@ -112,6 +120,8 @@ class AdaptivePolicy(Policy):
         return bits
 
     def watch(self, site: str, x: torch.Tensor, bits: int, elements: int | None = None) -> None:
+        if bits > self._given.get(site, bits):  # raised above what the plan gave: a guard's floor
+            self._floors[site] = bits
         if self._watching:
             self.estimator.observe_tensor(site, x, elements)
 
@@ -181,17 +191,27 @@ class AdaptivePolicy(Policy):
             if self.allow_raw and elements == size:  # raw keeps every element, zeros too
                 costs[stats.dtype_bits if stats.dtype_bits > max(self.choices) else RAW_BITS] = 0.0
             full.append(Site(name, size, costs, elements))
+            guard = self._floors.get(name, 0)
             if held_bits is not None and stats.generic:
                 self.held.append(name)
-                floor = self.generic == "floor"
-                costs = {b: c for b, c in costs.items() if b == held_bits or (floor and b > held_bits)}
+                held, floor = max(held_bits, guard), self.generic == "floor"
+                costs = {b: c for b, c in costs.items() if b == held or (floor and b > held)}
+            elif guard:
+                costs = {b: c for b, c in costs.items() if b >= guard}
             sites.append(Site(name, size, costs, elements))
         if not sites:
             return None
         total = sum(s.elements for s in sites) + fixed_elements
         # sites without an estimate keep the default bits; the rest share what is left
         average = (self.average * total - fixed_bits) / (total - fixed_elements)
-        plan, self.fallback = self._guard(allocate(sites, max(average, min(self.choices))), sites, average)
+        average = max(average, min(self.choices))
+        fewest = {site.name: min(site.costs) for site in sites}
+        if _plan_of(fewest, sites, average).mean_bits > average:  # the floors alone pass the budget
+            plan, self.fallback = _plan_of(fewest, sites, average), (
+                f"the fewest bits each site allows (softmax probabilities and what backward exponentiates "
+                f"have floors, docs/policy.md section 3b) need more than {self.average} bits on average")
+        else:
+            plan, self.fallback = self._guard(allocate(sites, average), sites, average)
         self.plan = plan
         self.plans += 1
         self._importance = _slopes(full, plan, max(self.choices))
@@ -228,7 +248,7 @@ class AdaptivePolicy(Policy):
         # the held sites are at ``bits`` in both: the gain is over the sites the plan trades
         held = set(self.held) if self.generic == "hold" else set()  # "floor": they may differ, so they count
         traded = [site for site in sites if site.name not in held]
-        uniform = sum(site.costs[bits] for site in traded)
+        uniform = sum(site.costs[_at_least(site, bits)] for site in traded)
         planned = sum(site.costs[plan.bits[site.name]] for site in traded)
         gain = 1 - planned / uniform if uniform > 0 else 0.0
         if bits == self.default_bits:
@@ -242,7 +262,12 @@ class AdaptivePolicy(Policy):
             reason = f"uniform {bits} bits: the plan's estimated gain {gain:.3f} is below min_gain {self.min_gain}"
         else:
             return plan, None
-        return _plan_of({site.name: bits for site in sites}, sites, self.average), reason
+        return _plan_of({site.name: _at_least(site, bits) for site in sites}, sites, self.average), reason
+
+
+def _at_least(site: Site, bits: int) -> int:
+    """``bits``, or the fewest the site allows above them (a floor of daf.policy.exponent_guard)."""
+    return min((b for b in site.costs if b >= bits), default=max(site.costs))
 
 
 def _plan_of(bits: dict[str, int], sites: list[Site], average: float) -> Plan:
