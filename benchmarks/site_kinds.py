@@ -22,7 +22,7 @@ from torch import nn
 
 from daf.policy import Policy, register_policy
 
-__all__ = ["KINDS", "KindBits", "classify", "module_kinds"]
+__all__ = ["KINDS", "KindBits", "KindTable", "classify", "module_kinds"]
 
 KINDS = ("norm", "linear", "act", "softmax", "attn", "other")
 _LINEAR = ("Linear", "Conv1D", "Conv2d", "Conv1d")
@@ -83,3 +83,29 @@ class _KindBitsPolicy(Policy):
 @register_policy(KindBits)
 def _kind_bits(config) -> Policy:
     return _KindBitsPolicy(config.policy)
+
+
+@dataclass(frozen=True)
+class KindTable:
+    """Bit policy: ``bits`` (pairs of kind and bits) for the kinds named there, ``default`` for the others."""
+
+    bits: tuple[tuple[str, int], ...] = ()
+    default: int = 2
+    kinds: tuple[tuple[str, str], ...] = ()
+
+
+class _KindTablePolicy(Policy):
+    def __init__(self, config: KindTable) -> None:
+        self.config, self.table, self.bits = config, dict(config.kinds), dict(config.bits)
+
+    def bits_for(self, site: str, x: torch.Tensor) -> int:
+        source = type(x.grad_fn).__name__ if x.grad_fn is not None else ""
+        return self.bits.get(classify(site, source, self.table), self.config.default)
+
+    def summary(self) -> dict:
+        return {"policy": "kindtable", "bits": dict(self.config.bits), "default": self.config.default}
+
+
+@register_policy(KindTable)
+def _kind_table(config) -> Policy:
+    return _KindTablePolicy(config.policy)

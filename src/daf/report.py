@@ -16,8 +16,9 @@ class SiteRow:
     saved output, dropout masks and other two-valued tensors; ``bits`` is 1), "raw" (kept
     as it is: too small, not floating point, or the policy chose so), "shared" (the
     same tensor saved again by another op; stored once, so its bytes count zero here) or "derived"
-    (autocast's cast of a parameter: nothing stored, recast from the parameter in backward; its raw
-    bytes are the copy that autograd would have kept).
+    (nothing stored: autocast's cast of a parameter, recast from the parameter in backward; or dropout's
+    output, remade from the stored input and its exact mask; its raw bytes are the copy that autograd
+    would have kept).
     """
 
     site: str
