@@ -27,7 +27,10 @@ output saved by a later op stores codes for its nonzeros only (``codes_nonzeros_
 its zeros come from ReLU's exact mask): it counts all its elements in the average and
 buys bits for the nonzeros alone (``Site.elements``, docs/policy.md section 3a). Exact
 1-bit masks (ReLU outputs, dropout masks) are stored alike by every policy and are
-outside the average; the report lists them as their own rows.
+outside the average; the report lists them as their own rows. So are the saves that a rule above every
+policy holds at more bits (softmax probabilities at 4, what backward exponentiates at 8:
+``daf.policy.exponent_guard``): they are left out of the plan (``floors`` in the summary), since uniform
+bits pay for them alike and cutting the traded sites to pay for them lost to uniform on GPT-2 and Llama.
 """
 
 from __future__ import annotations
@@ -83,8 +86,9 @@ class AdaptivePolicy(Policy):
         self._watching = True
         self._importance: dict[str, float] = {}
         self._given: dict[str, int] = {}  # what bits_for last gave each site
-        # bits a rule above every policy raised a site to (daf.policy.exponent_guard): the plan counts them
-        self._floors: dict[str, int] = {}
+        # sites a rule above every policy raised (daf.policy.exponent_guard: softmax probabilities, what
+        # backward exponentiates), and to what: outside the plan and its budget, as exact masks are
+        self.floors: dict[str, int] = {}
 
     # -- the Policy interface ----------------------------------------------------------------
     def on_forward_start(self, step: int) -> None:
@@ -120,8 +124,8 @@ class AdaptivePolicy(Policy):
         return bits
 
     def watch(self, site: str, x: torch.Tensor, bits: int, elements: int | None = None) -> None:
-        if bits > self._given.get(site, bits):  # raised above what the plan gave: a guard's floor
-            self._floors[site] = bits
+        if bits > self._given.get(site, bits):  # raised above what the policy gave: a rule's floor
+            self.floors[site] = bits
         if self._watching:
             self.estimator.observe_tensor(site, x, elements)
 
@@ -157,7 +161,8 @@ class AdaptivePolicy(Policy):
                 "costed by the generic model (a non-parameter consumer: norm, activation, softmax, "
                 "attention product), whose estimate is unsure; never below the uniform width"
                 + ("" if self.generic == "floor" else ", nor above"))}
-        figures.update(mean_bits=round(self.plan.mean_bits, 4), estimated_variance=self.plan.cost,
+        figures.update(floors=dict(self.floors), mean_bits=round(self.plan.mean_bits, 4),
+                       estimated_variance=self.plan.cost,
                        exact=self.plan.exact, sites=counts, plan=dict(self.plan.bits))
         return figures
 
@@ -184,6 +189,8 @@ class AdaptivePolicy(Policy):
             costs = self.estimator.costs(name)
             if size == 0:
                 continue
+            if name in self.floors:  # its bits are the rule's, whatever a plan says: nothing to trade
+                continue
             if costs is None:
                 fixed_elements += elements
                 fixed_bits += size * self.default_bits
@@ -191,30 +198,22 @@ class AdaptivePolicy(Policy):
             if self.allow_raw and elements == size:  # raw keeps every element, zeros too
                 costs[stats.dtype_bits if stats.dtype_bits > max(self.choices) else RAW_BITS] = 0.0
             full.append(Site(name, size, costs, elements))
-            guard = self._floors.get(name, 0)
             if held_bits is not None and stats.generic:
                 self.held.append(name)
-                held, floor = max(held_bits, guard), self.generic == "floor"
-                costs = {b: c for b, c in costs.items() if b == held or (floor and b > held)}
-            elif guard:
-                costs = {b: c for b, c in costs.items() if b >= guard}
+                floor = self.generic == "floor"
+                costs = {b: c for b, c in costs.items() if b == held_bits or (floor and b > held_bits)}
             sites.append(Site(name, size, costs, elements))
         if not sites:
             return None
         total = sum(s.elements for s in sites) + fixed_elements
         # sites without an estimate keep the default bits; the rest share what is left
         average = (self.average * total - fixed_bits) / (total - fixed_elements)
-        average = max(average, min(self.choices))
-        fewest = {site.name: min(site.costs) for site in sites}
-        if _plan_of(fewest, sites, average).mean_bits > average:  # the floors alone pass the budget
-            plan, self.fallback = _plan_of(fewest, sites, average), (
-                f"the fewest bits each site allows (softmax probabilities and what backward exponentiates "
-                f"have floors, docs/policy.md section 3b) need more than {self.average} bits on average")
-        else:
-            plan, self.fallback = self._guard(allocate(sites, average), sites, average)
+        plan, self.fallback = self._guard(allocate(sites, max(average, min(self.choices))), sites, average)
         self.plan = plan
         self.plans += 1
         self._importance = _slopes(full, plan, max(self.choices))
+        # the pool demotes in importance order: what a rule holds goes last
+        self._importance.update((name, float("inf")) for name in self.floors)
         return plan
 
     def _held_width(self) -> int | None:
@@ -248,7 +247,7 @@ class AdaptivePolicy(Policy):
         # the held sites are at ``bits`` in both: the gain is over the sites the plan trades
         held = set(self.held) if self.generic == "hold" else set()  # "floor": they may differ, so they count
         traded = [site for site in sites if site.name not in held]
-        uniform = sum(site.costs[_at_least(site, bits)] for site in traded)
+        uniform = sum(site.costs[bits] for site in traded)
         planned = sum(site.costs[plan.bits[site.name]] for site in traded)
         gain = 1 - planned / uniform if uniform > 0 else 0.0
         if bits == self.default_bits:
@@ -262,12 +261,7 @@ class AdaptivePolicy(Policy):
             reason = f"uniform {bits} bits: the plan's estimated gain {gain:.3f} is below min_gain {self.min_gain}"
         else:
             return plan, None
-        return _plan_of({site.name: _at_least(site, bits) for site in sites}, sites, self.average), reason
-
-
-def _at_least(site: Site, bits: int) -> int:
-    """``bits``, or the fewest the site allows above them (a floor of daf.policy.exponent_guard)."""
-    return min((b for b in site.costs if b >= bits), default=max(site.costs))
+        return _plan_of({site.name: bits for site in sites}, sites, self.average), reason
 
 
 def _plan_of(bits: dict[str, int], sites: list[Site], average: float) -> Plan:
