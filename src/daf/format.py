@@ -24,7 +24,7 @@ import torch
 
 __all__ = [
     "FORMAT_VERSION", "ALLOWED_BITS", "META_BYTES", "EXCEPTION_LIMIT", "MIN_STEP", "TINY_LIMIT",
-    "Packed", "row_bytes", "num_groups", "payload_bytes", "flatten_memory_order", "restore_memory_order",
+    "Packed", "row_bytes", "num_groups", "payload_bytes", "flatten_memory_order", "restore_memory_order", "dense_order",
     "MASK_INT_VIEW", "mask_bytes",
 ]
 
@@ -130,7 +130,7 @@ def flatten_memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]
     transposes) are read without a copy; other views are made contiguous first.
     O(1) for dense tensors, O(numel) otherwise.
     """
-    order = _dense_order(x)
+    order = dense_order(x)
     if order is None:
         return x.contiguous().reshape(-1), tuple(range(x.dim()))
     return x.permute(order).reshape(-1), order
@@ -145,7 +145,7 @@ def restore_memory_order(flat: torch.Tensor, shape: tuple[int, ...], order: tupl
     return flat.view(permuted_shape).permute(inverse)
 
 
-def _dense_order(x: torch.Tensor) -> tuple[int, ...] | None:
+def dense_order(x: torch.Tensor) -> tuple[int, ...] | None:
     """Dimensions sorted by decreasing stride if ``x`` is dense and non-overlapping, else None."""
     if x.is_contiguous():
         return tuple(range(x.dim()))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import daf
+from daf.policy.exponent_guard import PROBABILITY_BITS
 from daf.codec import Spec, codes_codec
 from daf.codec.backends import REFERENCE
 from daf.codec.division import DivisionCodec, DivisionPacked, join, split
@@ -108,5 +109,6 @@ def test_attention_probabilities_stay_minmax():
     with daf.compress(codec=daf.Division(), min_numel=1, backend="reference") as session:
         y = torch.softmax(x, -1) @ x  # softmax saves its 4-D output
     rows = [r for r in daf.report(session).rows if r.kind == "compressed" and "Softmax" in r.source]
-    assert [r.stored_bytes for r in rows] == [payload_bytes(2048, 2, 256)]  # no low-frequency part
+    # no low-frequency part; the probabilities keep 4 bits (daf.policy.exponent_guard)
+    assert [r.stored_bytes for r in rows] == [payload_bytes(2048, PROBABILITY_BITS, 256)]
     y.sum().backward()

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from daf.format import dense_order
+
 __all__ = ["TensorTable", "tensor_key", "parameter_storages", "is_parameter", "cast_of_parameter", "parameter_of_cast",
            "frozen_parameter_of_cast", "made_in_call", "is_dense"]
 
@@ -131,14 +133,12 @@ def frozen_parameter_of_cast(tensor: torch.Tensor, args: list[torch.Tensor]) -> 
             or base._version != 0 or base.storage_offset() != 0 or tensor.layout != torch.strided
             or base.untyped_storage().nbytes() != base.numel() * base.element_size() or base.numel() == 0):
         return None
-    layout = (list(base.shape), list(base.stride()))
     alike = [a for a in args if a is not base and _same_layout((list(a.shape), list(a.stride())), base)]
     if len(alike) != 1:
         return None
     parameter = alike[0]
     if (not isinstance(parameter, torch.nn.Parameter) or parameter.requires_grad or parameter.dtype == tensor.dtype
-            or not parameter.dtype.is_floating_point or parameter.device != tensor.device or not is_dense(parameter)
-            or layout[1] != list(parameter.stride())):
+            or not parameter.dtype.is_floating_point or parameter.device != tensor.device or not is_dense(parameter)):
         return None
     return parameter if _samples_agree(base, parameter) else None
 
@@ -209,11 +209,5 @@ def _same_layout(layout: tuple[list[int], list[int]], base: torch.Tensor) -> boo
 
 def is_dense(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s elements fill a block of memory from its offset, each once, in some order of its
-    dimensions (what ``Tensor.to`` keeps the strides of)."""
-    expected = 1
-    for size, stride in sorted(((n, s) for n, s in zip(tensor.shape, tensor.stride()) if n != 1),
-                               key=lambda pair: pair[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    dimensions (what ``Tensor.to`` keeps the strides of): the test the packed format makes too."""
+    return dense_order(tensor) is not None
