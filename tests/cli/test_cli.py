@@ -297,3 +297,37 @@ def test_codec_flag_sets_the_codes_codec(tmp_path, codec, kind, derivatives):
                  "--json", str(path)]) == 0
     config = json.loads(path.read_text())["runs"]["daf"]["config"]
     assert config["codec"]["kind"] == kind and config["codec"].get("derivatives") == derivatives
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_an_arm_never_outlives_its_compare(how):
+    # the arm runs in a session of its own (Ctrl-C reaches only compare): killing compare must still end it
+    process = subprocess.Popen(_daf("compare", "tiny-mnist", "--steps", "100000", *TINY, "--no-plots"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    arms: list[int] = []
+    try:
+        for line in process.stderr:  # "training <workload> (<arm>): ..." once the arm's loop runs
+            if line.startswith("training "):
+                break
+        arms = descendants(process.pid)
+        assert arms, "the arm runs in a child process"
+        process.send_signal(how)
+        process.wait(timeout=60)
+        deadline = time.time() + 60
+        while any(_alive(pid) for pid in arms) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in arms), "the arm trains on after compare was killed"
+        assert process.returncode == -how
+    finally:
+        for pid in [*arms, process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
