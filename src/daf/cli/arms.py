@@ -96,3 +96,14 @@ def _terminate_passed_on(process: subprocess.Popen) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
     if received.is_set():
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def read_result(path: Path, code: int) -> tuple[dict[str, Any] | None, str | None]:
+    """What an arm left in its result file: (its run record, None), or (None, why it has none): the one
+    line of an expected failure (``{"error": ...}``), or its exit status."""
+    if not path.exists():
+        return None, f"it exited with status {code} and wrote no result (its error is above)"
+    data = json.loads(path.read_text())
+    if "error" in data:
+        return None, data["error"]
+    return data, None
