@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,11 +63,21 @@ class Report:
         stored = sum(r.stored_bytes for r in rows)
         return sum(r.raw_bytes for r in rows) / stored if stored else 1.0
 
+    @property
+    def mean_code_bits(self) -> float | None:
+        """Bits per element over the coded tensors (rows of kind "compressed"), each weighted by its
+        elements: what "an average of B bits" means for the codes. Masks, raw, shared and derived rows are
+        not in it (see their own rows); None when nothing was coded."""
+        rows = [r for r in self.rows if r.kind == "compressed" and r.bits is not None]
+        elements = [math.prod(r.shape) for r in rows]
+        return sum(n * r.bits for n, r in zip(elements, rows)) / sum(elements) if sum(elements) else None
+
     def totals(self) -> dict[str, Any]:
         counts = {kind: sum(r.kind == kind for r in self.rows)
                   for kind in ("compressed", "mask", "raw", "shared", "derived")}
         return {"raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes, "ratio": self.ratio,
-                "sites": counts, "parameters_referenced": self.parameters_referenced, "forward": self.forward}
+                "mean_code_bits": self.mean_code_bits, "sites": counts,
+                "parameters_referenced": self.parameters_referenced, "forward": self.forward}
 
     def to_dict(self) -> dict[str, Any]:
         return {"totals": self.totals(), "rows": [r.__dict__ for r in self.rows], "sections": self.sections}
@@ -87,7 +98,9 @@ class Report:
         text.append(f"{'' if self.forward is None else f'forward {self.forward}: '}activations: {_size(self.raw_bytes)} raw -> {_size(self.stored_bytes)} stored "
                     f"({self.ratio:.1f}x; {self.compressed_ratio:.1f}x on compressed sites); "
                     f"{self.parameters_referenced} parameter tensors referenced, not copied"
-                    + (f"; casts of parameters derived in backward, not kept: {derived}" if derived else ""))
+                    + (f"; {self.mean_code_bits:.2f} bits per coded element" if self.mean_code_bits else "")
+                    + (f"; derived in backward, not kept (casts of parameters, dropout outputs): {derived}"
+                       if derived else ""))
         for name, figures in self.sections.items():
             text.append(f"{name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))
         return "\n".join(text)

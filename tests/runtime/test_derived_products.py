@@ -180,3 +180,17 @@ def test_masked_product_of_the_mask_on_the_left() -> None:
     assert found is not None and found.mask_attribute == "_saved_self"
     assert masked_product_of(x * x) is None  # both with history
     assert masked_product_of(x.detach() * 2) is None  # no history
+
+
+def test_the_report_gives_the_mean_bits_of_the_codes_without_the_derived_map() -> None:
+    torch.manual_seed(0)
+    model = daf.wrap(DroppedAttention(), daf.Config(bits=2, min_numel=1))
+    model(torch.randn(96, 32)).sum().backward()
+    report = daf.report(model)
+    coded = {r.shape: r.bits for r in report.rows if r.kind == "compressed"}
+    # the probabilities at 4 bits (a rule above the policy), v's output at 2 (x has no history: q's output
+    # is not saved, x is kept raw)
+    assert sorted(coded.items()) == [((96, 32), 2), ((96, 96), 4)] and len(_rows(model, "compressed")) == 2
+    assert report.mean_code_bits == pytest.approx((96 * 96 * 4 + 96 * 32 * 2) / (96 * 96 + 96 * 32))
+    assert report.totals()["mean_code_bits"] == report.mean_code_bits
+    assert f"{report.mean_code_bits:.2f} bits per coded element" in str(report)

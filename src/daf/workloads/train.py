@@ -198,7 +198,8 @@ def _activations(model: nn.Module, counter: SavedBytes, wrapped: bool) -> dict[s
     import daf
     report = daf.report(model)
     return {"raw_bytes": report.raw_bytes, "stored_bytes": report.stored_bytes, "ratio": report.ratio,
-            "sites": report.totals()["sites"], "store": report.sections.get("store", {})}
+            "mean_code_bits": report.mean_code_bits, "sites": report.totals()["sites"],
+            "store": report.sections.get("store", {})}
 
 
 def _last_step(model: nn.Module) -> dict[str, Any]:
@@ -207,7 +208,8 @@ def _last_step(model: nn.Module) -> dict[str, Any]:
     import daf
     report = daf.report(model)
     return {"raw_bytes": report.raw_bytes, "stored_bytes": report.stored_bytes, "ratio": report.ratio,
-            "sites": report.totals()["sites"], "policy": report.sections.get("policy")}
+            "mean_code_bits": report.mean_code_bits, "sites": report.totals()["sites"],
+            "policy": report.sections.get("policy")}
 
 
 def _median_step(seconds: list[float], trace_step: int) -> float | None:
