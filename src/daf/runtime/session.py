@@ -209,8 +209,10 @@ class Session:
         if product is None:
             return None
         entry = self._outputs.get((id(product.node), product.output_nr))
+        if entry is None or entry[0] is not product.node:  # x is not stored: no need to look for the mask
+            return None
         mask = self._record_behind(product.multiply, product.mask_attribute)
-        if entry is None or entry[0] is not product.node or not isinstance(mask, _Saved) or not mask.exact:
+        if not isinstance(mask, _Saved) or not mask.exact:
             return None
         if mask.numel != tensor.numel():  # a broadcast mask: the product has elements of its own
             return None
