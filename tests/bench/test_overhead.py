@@ -27,3 +27,27 @@ def test_step_ratio_is_the_median_of_each_rounds_ratio():
     rows = [{"fp32": 1.0, "daf": 1.1}, {"fp32": 4.0, "daf": 4.0}, {"fp32": 2.0, "daf": 2.6}]
     # the medians of the arms (2.0 and 2.6) would say 1.3; round by round the ratios are 1.1, 1.0, 1.3
     assert math.isclose(overhead.step_ratio(rows), 1.1)
+
+
+def test_cpu_clock_is_recorded_and_explains_the_gap(tmp_path):
+    path = tmp_path / "o.json"
+    assert main(["overhead", "--workload", "tiny-mnist", "--batch", "32", "--steps", "2", "--warmup", "1",
+                 "-O", "train_size=256", "--clock", "cpu", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["clock"] == "cpu" and result["threads"] >= 1
+    components = result["components"]
+    parts = sum(v for k, v in components.items() if k not in ("fp32 step", "DAF step"))
+    assert math.isclose(components["fp32 step"] + parts, components["DAF step"], rel_tol=1e-9)
+    assert all(row["fp32"] > 0 and row["daf"] > 0 for row in result["rows"])
+
+
+def test_an_unknown_clock_is_refused_by_name():
+    import pytest
+    with pytest.raises(ValueError, match="clock 'gpu': expected one of wall, cpu"):
+        overhead.measure("tiny-mnist", 8, steps=1, warmup=0, options={"train_size": 64}, clock="gpu")
+
+
+def test_a_thread_count_below_one_is_refused():
+    import pytest
+    with pytest.raises(SystemExit, match="--threads 0"):
+        main(["overhead", "--workload", "tiny-mnist", "--threads", "0"])
