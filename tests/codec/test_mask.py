@@ -1,5 +1,7 @@
 """1-bit masks: lossless for two-valued tensors, ReLU's saves stored as masks, gradients exact."""
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 from torch import nn
@@ -202,3 +204,18 @@ def test_relu_mask_as_bool_trains_and_double_backward_works():
         assert torch.isfinite(x.grad).all()
     finally:
         daf.unwrap(model)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.5, 2.0, float("nan"), float("inf")]), min_size=1, max_size=40),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_two_values_agrees_with_the_set_of_bit_patterns(values, dtype):
+    """Wherever a third bit pattern sits (in the first 16 elements, which refuse without the sample's
+    scan, or after them), two_values says None exactly when the tensor has more than two."""
+    x = torch.tensor(values, dtype=dtype)
+    patterns = set(x.view({torch.float32: torch.int32, torch.float16: torch.int16,
+                           torch.bfloat16: torch.int16}[dtype]).tolist())
+    found = two_values(x)
+    assert (found is None) == (len(patterns) > 2)
+    if found is not None:
+        assert torch.equal(decode_mask(encode_mask(x, found)).view(torch.uint8), x.view(torch.uint8))

@@ -36,6 +36,9 @@ __all__ = ["MaskPacked", "ReluMaskPacked", "MaskCodec", "ReluMaskCodec", "two_va
 
 MASK_DTYPES = tuple(MASK_INT_VIEW)
 _SAMPLE = 4096
+# Elements read first, as Python ints: three distinct values among them refuse most activations
+# with two torch calls instead of the sample's dozen (two_values runs on every coded save).
+_HEAD = 16
 # Elements per slice of two_values' scan: its temporaries are 1-2 bytes per element of a slice.
 _CHUNK = 1 << 20
 
@@ -87,6 +90,8 @@ def two_values(x: torch.Tensor) -> tuple[float, float] | None:
         return None
     flat, _ = flatten_memory_order(x.detach())
     codes = flat.view(MASK_INT_VIEW[x.dtype])
+    if len(set(codes[:_HEAD].tolist())) > 2:
+        return None
     first, second, where = codes[:1], None, 0
     for start, end in _chunks(codes.numel(), _SAMPLE):
         part = codes[start:end]
