@@ -299,6 +299,15 @@ def test_codec_flag_sets_the_codes_codec(tmp_path, codec, kind, derivatives):
     assert config["codec"]["kind"] == kind and config["codec"].get("derivatives") == derivatives
 
 
+@pytest.mark.parametrize("layout, channels_last", [(None, True), ("channels-last", True), ("as-saved", False)])
+def test_layout_flag_sets_config_channels_last(tmp_path, layout, channels_last):
+    path = tmp_path / "run.json"
+    flag = [] if layout is None else ["--layout", layout]
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, *flag, "--no-plots", "--allocator", "system",
+                 "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["runs"]["daf"]["config"]["channels_last"] is channels_last
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

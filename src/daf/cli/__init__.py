@@ -29,7 +29,9 @@ from daf.config import ALLOWED_BITS, GENERIC_MODES, Adaptive, Config, Division, 
 
 __all__ = ["main", "entry", "build_parser"]
 
-_DAF_FLAGS = ("bits", "policy", "average", "generic", "codec", "budget", "group_size", "backend")
+_DAF_FLAGS = ("bits", "policy", "average", "generic", "codec", "budget", "group_size", "backend", "layout")
+# --layout: how convolutions', batch norms' and ReLUs' 4-D saves come back (Config.channels_last; docs/memory.md)
+_LAYOUTS = {"channels-last": True, "as-saved": False}
 # --codec NAME: the codes codec (docs/transformers.md for outliers; docs/policy.md for division)
 _CODECS = {"minmax": lambda: MinMax(), "division": lambda: Division(), "outliers": lambda: Outliers(),
            "outliers-derivatives": lambda: Outliers(derivatives=True)}
@@ -120,6 +122,9 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     compress.add_argument("--budget", help="memory budget of stored activations, e.g. 512MiB")
     compress.add_argument("--group-size", type=int, dest="group_size", help="elements per min/scale group (256)")
     compress.add_argument("--backend", help="auto, native or reference")
+    compress.add_argument("--layout", choices=tuple(_LAYOUTS),
+                          help="the layout 4-D saves of convolutions, batch norms and ReLUs come back in on the CPU: "
+                               "channels-last (default: no reorder buffers in convolution backward) or as-saved")
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the figures to FILE (schema daf.results/1)")
     out.add_argument("--out", metavar="DIR", help="where the PNG plots go (default: results/WORKLOAD)")
@@ -220,6 +225,8 @@ def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> di
         fields["policy"] = Adaptive(**{k: v for k, v in knobs.items() if v is not None})
     if "codec" in fields:
         fields["codec"] = _CODECS[fields["codec"]]()
+    if "layout" in fields:
+        fields["channels_last"] = _LAYOUTS[fields.pop("layout")]
     return fields
 
 

@@ -22,6 +22,7 @@ from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedProduct
+from daf.runtime.layout import restores_channels_last, to_channels_last
 from daf.runtime.route import Context, Encoding, Kind, route
 from daf.tracing import (OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call, masked_product_of,
                          parameter_storages)
@@ -43,12 +44,14 @@ class _Saved:
     kept alive with it, which says where they go and the output's shape, order and dtype.
     """
 
-    __slots__ = ("store", "ref", "site", "pending", "mask", "source", "row", "exact", "numel", "__weakref__")
+    __slots__ = ("store", "ref", "site", "pending", "mask", "source", "row", "exact", "numel", "channels_last",
+                 "__weakref__")
 
     def __init__(self, store: Store, ref: int | None, site: str, source: "_Source",
                  pending: tuple[Future, float] | None = None, mask: "_Saved | None" = None) -> None:
         self.store, self.ref, self.site, self.pending, self.mask = store, ref, site, pending, mask
         self.source, self.row, self.exact, self.numel = source, -1, False, 0
+        self.channels_last = False  # restored in channels-last layout (daf.runtime.layout)
 
     def __del__(self) -> None:
         if self.ref is None:
@@ -184,6 +187,8 @@ class Session:
         if encoding.kind.stored:
             return self._encode_and_put(encoding, tensor, context)
         if encoding.kind is Kind.SHARED:
+            if isinstance(context.shared, _Saved) and not restores_channels_last(tensor, context.op, True):
+                context.shared.channels_last = False  # this op's backward gets the layout it saved
             return context.shared, 0
         if encoding.kind is Kind.DERIVED and isinstance(encoding.data, torch.Tensor):
             return Derived(tensor, encoding.data, context.site, _Source(tensor)), 0
@@ -249,6 +254,7 @@ class Session:
             saved = _Saved(self.store, self.store.put(packed, importance, site), site, _Source(tensor), None, mask)
             stored = packed.nbytes
         saved.exact, saved.numel = encoding.kind in (Kind.MASK, Kind.RELU_MASK), tensor.numel()
+        saved.channels_last = restores_channels_last(tensor, op, self.config.channels_last)
         if tensor.grad_fn is not None:
             self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)
         if encoding.kind is Kind.RELU_MASK:
@@ -289,6 +295,8 @@ class Session:
             tensor = self.codecs.decode(packed)
         else:
             tensor = self.codecs.decode_nonzeros(packed, self.store.get(saved.mask.ref), saved.site)
+        if saved.channels_last:
+            tensor = to_channels_last(tensor)
         self._recent = (weakref.ref(saved, self._forget_recent), tensor)
         return tensor
 

@@ -1,0 +1,50 @@
+"""The memory format a restored activation comes back in.
+
+A restored tensor is a new tensor, so DAF may give it the layout backward runs best on. PyTorch's CPU
+convolution backward (oneDNN) on NCHW tensors reorders its gradient and input into blocked buffers of
+their full size: at 64 channels x 28 x 28, three full-size tensors alive inside one call against one
+for channels-last (NHWC) tensors, and 7% less CPU time in ResNet-18's convolution backward
+(docs/memory.md). Channels-last inputs make the gradients channels-last too, so batch norm and ReLU
+backward, which are fast only when their input and gradient agree, get theirs restored channels-last as
+well. The rule is kept to these ops, whose backward is PyTorch's own and reads any layout: a custom
+``autograd.Function`` that saves a tensor gets it back in the layout it saved (its backward may
+``view`` it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from daf.tracing import OpCall
+
+__all__ = ["CHANNELS_LAST_FUNCTIONS", "restores_channels_last", "to_channels_last"]
+
+
+def _channels_last_functions() -> frozenset:
+    from daf.tracing.ops import RELU_FUNCTIONS
+    return frozenset({F.conv2d, torch.conv2d, F.batch_norm, torch.batch_norm}) | RELU_FUNCTIONS
+
+
+CHANNELS_LAST_FUNCTIONS = _channels_last_functions()
+
+
+def restores_channels_last(tensor: torch.Tensor, op: OpCall | None, enabled: bool) -> bool:
+    """Whether ``tensor``, saved by ``op``, is restored channels-last: a 4-D CPU tensor not in that layout
+    already, saved by a convolution, batch norm or ReLU (``CHANNELS_LAST_FUNCTIONS``)."""
+    return (enabled and op is not None and op.func in CHANNELS_LAST_FUNCTIONS and tensor.dim() == 4
+            and tensor.device.type == "cpu" and not tensor.is_contiguous(memory_format=torch.channels_last))
+
+
+def to_channels_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in channels-last layout (``x`` itself when it is already): the values of
+    ``x.contiguous(memory_format=torch.channels_last)``. From NCHW it copies through a batched
+    transpose, which PyTorch runs 2.5x faster than its generic channels-last copy."""
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    if not x.is_contiguous():
+        return x.contiguous(memory_format=torch.channels_last)
+    n, c, h, w = x.shape
+    out = torch.empty((n, c, h, w), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    out.permute(0, 2, 3, 1).view(n, h * w, c).copy_(x.view(n, c, h * w).transpose(1, 2))
+    return out
