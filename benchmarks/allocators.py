@@ -39,7 +39,8 @@ def modes() -> list[tuple[str, str, dict[str, str]]]:
     listed = [("system", "system", {})]
     for name in ("tcmalloc", "jemalloc", "mimalloc"):
         if find_library(name) is not None:
-            listed.append((f"{name} in-process", name, {}))
+            # daf train would start itself again with NAME preloaded: this variable says it already is
+            listed.append((f"{name} in-process", name, {"DAF_TRAIN_PRELOADED": "1"}))
     if find_library("tcmalloc") is not None:
         listed.append(("tcmalloc preloaded", "system", preload_env("tcmalloc", environ={})))
     listed.append(("glibc mmap threshold", "system", {"MALLOC_MMAP_THRESHOLD_": "131072"}))
