@@ -137,7 +137,7 @@ class TimesTwo(torch.autograd.Function):
 @pytest.mark.parametrize("custom_first", [False, True])
 def test_a_record_a_custom_function_also_saves_is_restored_as_saved(custom_first):
     weight = torch.randn(4, 4, 3, 3, requires_grad=True)
-    with daf.compress(torch.nn.Identity(), bits=8, min_numel=1):
+    with daf.compress(torch.nn.Identity(), bits=8, min_numel=1, channels_last=True):
         h = torch.randn(2, 4, 8, 8, requires_grad=True) * 1.0  # with history, so it is stored
         if custom_first:
             y = TimesTwo.apply(h) + torch.nn.functional.conv2d(h, weight, padding=1)
