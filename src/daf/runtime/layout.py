@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from daf.tracing import OpCall
 
-__all__ = ["CHANNELS_LAST_FUNCTIONS", "restores_channels_last", "to_channels_last"]
+__all__ = ["CHANNELS_LAST_FUNCTIONS", "reads_any_layout", "restores_channels_last", "to_channels_last"]
 
 
 def _channels_last_functions() -> frozenset:
@@ -29,11 +29,16 @@ def _channels_last_functions() -> frozenset:
 CHANNELS_LAST_FUNCTIONS = _channels_last_functions()
 
 
+def reads_any_layout(op: OpCall | None) -> bool:
+    """Whether ``op``'s backward is PyTorch's own for a convolution, batch norm or ReLU (``CHANNELS_LAST_FUNCTIONS``)."""
+    return op is not None and op.func in CHANNELS_LAST_FUNCTIONS
+
+
 def restores_channels_last(tensor: torch.Tensor, op: OpCall | None, enabled: bool) -> bool:
     """Whether ``tensor``, saved by ``op``, is restored channels-last: a 4-D CPU tensor not in that layout
-    already, saved by a convolution, batch norm or ReLU (``CHANNELS_LAST_FUNCTIONS``)."""
-    return (enabled and op is not None and op.func in CHANNELS_LAST_FUNCTIONS and tensor.dim() == 4
-            and tensor.device.type == "cpu" and not tensor.is_contiguous(memory_format=torch.channels_last))
+    already, saved by an op whose backward reads any layout (``reads_any_layout``)."""
+    return (enabled and reads_any_layout(op) and tensor.dim() == 4 and tensor.device.type == "cpu"
+            and not tensor.is_contiguous(memory_format=torch.channels_last))
 
 
 def to_channels_last(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedProduct
-from daf.runtime.layout import restores_channels_last, to_channels_last
+from daf.runtime.layout import reads_any_layout, restores_channels_last, to_channels_last
 from daf.runtime.route import Context, Encoding, Kind, route
 from daf.tracing import (OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call, masked_product_of,
                          parameter_storages)
@@ -187,7 +187,7 @@ class Session:
         if encoding.kind.stored:
             return self._encode_and_put(encoding, tensor, context)
         if encoding.kind is Kind.SHARED:
-            if isinstance(context.shared, _Saved) and not restores_channels_last(tensor, context.op, True):
+            if self.config.channels_last and isinstance(context.shared, _Saved) and not reads_any_layout(context.op):
                 context.shared.channels_last = False  # this op's backward gets the layout it saved
             return context.shared, 0
         if encoding.kind is Kind.DERIVED and isinstance(encoding.data, torch.Tensor):
