@@ -81,6 +81,15 @@ def test_layout_of_one_group_byte_for_byte():
     assert payload[4:].tolist() == [0b11100100] * 4
 
 
+@pytest.mark.parametrize("numel", [1, 8, 9])
+def test_rows_of_an_odd_byte_count_decode(numel):
+    """1 bit in groups of 8: 5-byte rows. One such row once failed to decode (its meta bytes were
+    viewed as bfloat16 with the row's stride)."""
+    x = torch.linspace(-1, 1, numel)
+    flat = decode_flat(*encode_flat(x, 1, 8, False, 0)[:1], numel, 1, 8, torch.float32)
+    assert flat.shape == (numel,) and (flat - x).abs().max() <= 2.0 + 1e-6
+
+
 def test_bf16_rounding_directions():
     x = torch.tensor([1.00001, -1.00001, 3.0, -3.0, 0.0, 1e-30, -1e-30])
     down, up = round_down_bf16(x), round_up_bf16(x.abs())

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import daf
 from daf.allocator.native import tensor_bytes
-from daf.runtime.layout import restores_channels_last, to_channels_last
+from daf.kernels.layout_ops import to_channels_last
+from daf.runtime.layout import restores_channels_last
 from daf.tracing import OpCall
 
 CL = torch.channels_last

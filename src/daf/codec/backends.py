@@ -37,6 +37,9 @@ class Backend(Protocol):
     def decode_flat(self, payload: torch.Tensor, numel: int, bits: int, group_size: int, dtype: torch.dtype,
                     exc_index: torch.Tensor | None = None, exc_value: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def decode_into(self, payload: torch.Tensor, bits: int, group_size: int, out: torch.Tensor,
+                    exc_index: torch.Tensor | None = None, exc_value: torch.Tensor | None = None) -> torch.Tensor: ...
+
 
 class ReferenceBackend:
     """The plain-PyTorch reference, any device; ``reason`` says why it was chosen."""
@@ -55,6 +58,12 @@ class ReferenceBackend:
                     exc_index: torch.Tensor | None = None, exc_value: torch.Tensor | None = None) -> torch.Tensor:
         from daf.kernels import reference
         return reference.decode_flat(payload, numel, bits, group_size, dtype, exc_index, exc_value)
+
+    def decode_into(self, payload: torch.Tensor, bits: int, group_size: int, out: torch.Tensor,
+                    exc_index: torch.Tensor | None = None, exc_value: torch.Tensor | None = None) -> torch.Tensor:
+        """The values into ``out`` in its logical order, whatever its layout (``out``'s numel and dtype say what)."""
+        values = self.decode_flat(payload, out.numel(), bits, group_size, out.dtype, exc_index, exc_value)
+        return out.copy_(values.view(out.shape))
 
 
 REFERENCE: Backend = ReferenceBackend()

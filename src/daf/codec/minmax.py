@@ -33,8 +33,15 @@ def encode(x: torch.Tensor, bits: int, group_size: int = 256, rounding: str = "s
     return Packed(payload, tuple(x.shape), order, x.dtype, bits, group_size, exc_index, exc_value)
 
 
-def decode(packed: Packed, backend: Backend = REFERENCE) -> torch.Tensor:
-    """The tensor ``packed`` was made from, up to quantization error; same shape, dtype, device, strides order."""
+def decode(packed: Packed, backend: Backend = REFERENCE, channels_last: bool = False) -> torch.Tensor:
+    """The tensor ``packed`` was made from, up to quantization error; same shape, dtype, device, strides
+    order, or channels-last when ``channels_last`` and ``packed`` is a contiguous 4-D tensor's (decoded
+    straight into that layout: no second pass over the values)."""
+    if channels_last and len(packed.shape) == 4 and packed.order == (0, 1, 2, 3):
+        out = torch.empty(packed.shape, dtype=packed.dtype, device=packed.payload.device,
+                          memory_format=torch.channels_last)
+        return backend.decode_into(packed.payload, packed.bits, packed.group_size, out, packed.exc_index,
+                                   packed.exc_value)
     flat = backend.decode_flat(packed.payload, packed.numel, packed.bits, packed.group_size, packed.dtype,
                                packed.exc_index, packed.exc_value)
     return restore_memory_order(flat, packed.shape, packed.order)

@@ -18,11 +18,13 @@ from daf.codec.channel import ChannelCodec, ChannelPacked
 from daf.codec.derivative import DerivativePacked
 from daf.codec.division import DivisionCodec, DivisionPacked
 from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec, ReluMaskPacked
+from daf.codec import minmax
 from daf.codec.minmax import MinMaxCodec
 from daf.codec.nonzeros import decode_nonzeros
 from daf.codec.spec import Codec, Spec
 from daf.config import Config, Division, MinMax, Outliers, register_config_type
 from daf.format import Packed
+from daf.kernels.layout_ops import to_channels_last
 
 __all__ = ["Codecs", "register_codes_codec", "codes_codec"]
 
@@ -101,16 +103,22 @@ class Codecs:
         check = getattr(self._by_name[name], "consumer_only", None)
         return bool(check is not None and check(x, spec))
 
-    def decode(self, packed: Packed) -> torch.Tensor:
+    def decode(self, packed: Packed, channels_last: bool = False) -> torch.Tensor:
+        """The tensor of ``packed``; with ``channels_last``, a 4-D one comes back in that layout (format-1
+        codes decoded straight into it, other records copied by ``to_channels_last``)."""
+        if channels_last and type(packed) is Packed:  # every codes codec decodes plain format-1 as minmax does
+            return minmax.decode(packed, self.backend, channels_last=True)
         for packed_type, codec in self._decoders:
             if isinstance(packed, packed_type):
-                return codec.decode(packed)
+                tensor = codec.decode(packed)
+                return to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
         raise TypeError(f"DAF has no codec for a record of type {type(packed).__name__}")
 
-    def decode_nonzeros(self, packed: Packed, mask: MaskPacked, site: str) -> torch.Tensor:
+    def decode_nonzeros(self, packed: Packed, mask: MaskPacked, site: str, channels_last: bool = False) -> torch.Tensor:
         """The ReLU output whose nonzeros ``packed`` holds and whose ReLU mask is ``mask``
-        (``daf.codec.nonzeros.decode_nonzeros``)."""
-        return decode_nonzeros(packed, mask, site, self.decode)
+        (``daf.codec.nonzeros.decode_nonzeros``), channels-last as ``decode`` says."""
+        tensor = decode_nonzeros(packed, mask, site, self.decode)
+        return to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
         return self.codes.reencode(packed, bits, seed)

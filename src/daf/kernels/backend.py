@@ -81,6 +81,12 @@ class NativeBackend:
                              f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()})")
         return ops.decode_into(payload, bits, group_size, out, exc_index, exc_value)
 
+    def decode_into(self, payload: torch.Tensor, bits: int, group_size: int, out: torch.Tensor,
+                    exc_index: torch.Tensor | None = None, exc_value: torch.Tensor | None = None) -> torch.Tensor:
+        """The values into ``out`` in its logical order, whatever its layout: a channels-last ``out``
+        is filled in one pass (``daf::format1_decode_into``)."""
+        return ops.decode_into(payload, bits, group_size, out, exc_index, exc_value)
+
     def _strategy(self, x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int) -> str:
         """Whole groups where it is bound to win; the autotuner's timed choice where it is not."""
         if x.numel() < _TUNE_MIN_NUMEL or self.serial:  # one thread: the strategies coincide

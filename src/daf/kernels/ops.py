@@ -11,7 +11,8 @@ and the C++ kernels become its CPU implementation when the extension loads
 - ``daf::format1_decode(Tensor payload, SymInt numel, int bits, int group_size, ScalarType dtype,
   Tensor? exc_index=None, Tensor? exc_value=None) -> Tensor``
 - ``daf::format1_decode_into(Tensor payload, int bits, int group_size, Tensor? exc_index,
-  Tensor? exc_value, Tensor(a!) out) -> ()``
+  Tensor? exc_value, Tensor(a!) out) -> ()``: the values in ``out``'s logical order, whatever its
+  layout (a channels-last ``out`` is filled in one pass on the kernels)
 
 Every implementation returns the reference's bytes. Ops return tensors of sizes known from
 their arguments only, so the exceptional values' side table (whose length depends on the
@@ -154,12 +155,30 @@ def _encode_native(ext: ModuleType) -> Callable:
 
 
 def _decode_native(ext: ModuleType) -> Callable:
+    def decode_into_channels_last(payload: torch.Tensor, bits: int, group_size: int, exc_index: torch.Tensor | None,
+                                  exc_value: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Values in NCHW order into a channels-last ``out``: in one pass when every image starts a
+        group and no value is exceptional, else a flat decode and the kernels' transposing copy."""
+        n, c, h, w = out.shape
+        check_payload(payload, out.numel(), bits, group_size)
+        payload = payload.contiguous()
+        if exc_index is None and (c * h * w) % group_size == 0:
+            ext.decode_channels_last_into(payload.data_ptr(), n, c, h * w, bits, group_size, _DTYPE_CODES[out.dtype],
+                                          out.data_ptr())
+            return
+        values = torch.empty(out.numel(), dtype=out.dtype)
+        decode_into(payload, bits, group_size, exc_index, exc_value, values)
+        ext.channels_last_copy(values.data_ptr(), n, c, h * w, values.element_size(), out.data_ptr())
+
     def decode_into(payload: torch.Tensor, bits: int, group_size: int, exc_index: torch.Tensor | None,
                     exc_value: torch.Tensor | None, out: torch.Tensor) -> None:
         check_format(bits, group_size)
         numel = out.numel()
-        if not (native_takes(out.dtype, payload.is_cpu and out.is_cpu, group_size) and payload.dtype == torch.uint8
-                and out.is_contiguous()):
+        if not (native_takes(out.dtype, payload.is_cpu and out.is_cpu, group_size) and payload.dtype == torch.uint8):
+            return _decode_into_reference(payload, bits, group_size, exc_index, exc_value, out)
+        if not out.is_contiguous():
+            if numel and out.dim() == 4 and out.is_contiguous(memory_format=torch.channels_last):
+                return decode_into_channels_last(payload, bits, group_size, exc_index, exc_value, out)
             return _decode_into_reference(payload, bits, group_size, exc_index, exc_value, out)
         check_payload(payload, numel, bits, group_size)
         payload = payload.contiguous()

@@ -230,8 +230,9 @@ _HALF_MAX = 65504.0
 
 def _decode_rows(rows: torch.Tensor, bits: int) -> torch.Tensor:
     """float32 [groups * group_size] values of format-1 rows."""
-    lo = rows[:, 0:2].contiguous().view(torch.bfloat16).to(torch.float32)
-    step = rows[:, 2:4].contiguous().view(torch.bfloat16).to(torch.float32)
+    # reshape, not contiguous(): one row of odd length is "contiguous" with its row stride, which view refuses
+    lo = rows[:, 0:2].reshape(-1).view(torch.bfloat16).to(torch.float32).unsqueeze(1)
+    step = rows[:, 2:4].reshape(-1).view(torch.bfloat16).to(torch.float32).unsqueeze(1)
     codes = _unpack_codes(rows[:, META_BYTES:], bits).to(torch.float32)
     return (codes * step + lo).view(-1)
 

@@ -8,7 +8,8 @@ for channels-last (NHWC) tensors, and 7% less CPU time in ResNet-18's convolutio
 backward, which are fast only when their input and gradient agree, get theirs restored channels-last as
 well. The rule is kept to these ops, whose backward is PyTorch's own and reads any layout: a custom
 ``autograd.Function`` that saves a tensor gets it back in the layout it saved (its backward may
-``view`` it).
+``view`` it). This module decides; the codecs decode in that layout (``Codecs.decode``: format-1 codes
+straight into it, other records through ``daf.kernels.layout_ops.to_channels_last``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from daf.tracing import OpCall
 
-__all__ = ["CHANNELS_LAST_FUNCTIONS", "reads_any_layout", "restores_channels_last", "to_channels_last"]
+__all__ = ["CHANNELS_LAST_FUNCTIONS", "reads_any_layout", "restores_channels_last"]
 
 
 def _channels_last_functions() -> frozenset:
@@ -39,17 +40,3 @@ def restores_channels_last(tensor: torch.Tensor, op: OpCall | None, enabled: boo
     already, saved by an op whose backward reads any layout (``reads_any_layout``)."""
     return (enabled and reads_any_layout(op) and tensor.dim() == 4 and tensor.device.type == "cpu"
             and not tensor.is_contiguous(memory_format=torch.channels_last))
-
-
-def to_channels_last(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in channels-last layout (``x`` itself when it is already): the values of
-    ``x.contiguous(memory_format=torch.channels_last)``. From NCHW it copies through a batched
-    transpose, which PyTorch runs 2.5x faster than its generic channels-last copy."""
-    if x.is_contiguous(memory_format=torch.channels_last):
-        return x
-    if not x.is_contiguous():
-        return x.contiguous(memory_format=torch.channels_last)
-    n, c, h, w = x.shape
-    out = torch.empty((n, c, h, w), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    out.permute(0, 2, 3, 1).view(n, h * w, c).copy_(x.view(n, c, h * w).transpose(1, 2))
-    return out

@@ -22,7 +22,7 @@ from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedProduct
-from daf.runtime.layout import reads_any_layout, restores_channels_last, to_channels_last
+from daf.runtime.layout import reads_any_layout, restores_channels_last
 from daf.runtime.route import Context, Encoding, Kind, route
 from daf.tracing import (OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call, masked_product_of,
                          parameter_storages)
@@ -292,11 +292,9 @@ class Session:
             self._collect_pending()
         packed = self.store.get(saved.ref)
         if saved.mask is None:
-            tensor = self.codecs.decode(packed)
+            tensor = self.codecs.decode(packed, saved.channels_last)
         else:
-            tensor = self.codecs.decode_nonzeros(packed, self.store.get(saved.mask.ref), saved.site)
-        if saved.channels_last:
-            tensor = to_channels_last(tensor)
+            tensor = self.codecs.decode_nonzeros(packed, self.store.get(saved.mask.ref), saved.site, saved.channels_last)
         self._recent = (weakref.ref(saved, self._forget_recent), tensor)
         return tensor
 

@@ -12,6 +12,7 @@
 #include "kernels.h"
 #include "masks.h"
 #include "nonzeros.h"
+#include "transpose.h"
 
 namespace daf {
 namespace {
@@ -55,6 +56,18 @@ void decode_bits(const uint8_t* payload, void* out, Layout layout) {
   throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(layout.bits));
 }
 
+template <typename T>
+void decode_channels_last_bits(const uint8_t* payload, void* out, Layout layout, int64_t n, int64_t c, int64_t hw) {
+  T* typed = static_cast<T*>(out);
+  switch (layout.bits) {
+    case 1: return decode_channels_last<T, 1>(payload, typed, layout, n, c, hw);
+    case 2: return decode_channels_last<T, 2>(payload, typed, layout, n, c, hw);
+    case 4: return decode_channels_last<T, 4>(payload, typed, layout, n, c, hw);
+    case 8: return decode_channels_last<T, 8>(payload, typed, layout, n, c, hw);
+  }
+  throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(layout.bits));
+}
+
 Layout checked_layout(int64_t numel, int64_t bits, int64_t group_size) {
   if (numel < 0) throw std::invalid_argument("numel must be >= 0");
   if (group_size < 8 || (group_size & (group_size - 1)) != 0) {
@@ -90,6 +103,23 @@ void decode_into(int64_t payload, int64_t numel, int64_t bits, int64_t group_siz
     case kFloat32: return decode_bits<float>(src, dst, layout);
     case kFloat16: return decode_bits<c10::Half>(src, dst, layout);
     case kBFloat16: return decode_bits<c10::BFloat16>(src, dst, layout);
+  }
+  throw std::invalid_argument("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+}
+
+// out: n * c * hw elements written channels-last; the payload's values are in NCHW order and
+// c * hw must be a multiple of group_size (each image starts a group).
+void decode_channels_last_into(int64_t payload, int64_t n, int64_t c, int64_t hw, int64_t bits, int64_t group_size,
+                               int64_t dtype, int64_t out) {
+  if (n < 0 || c < 0 || hw < 0) throw std::invalid_argument("sizes must be >= 0");
+  Layout layout = checked_layout(n * c * hw, bits, group_size);
+  if ((c * hw) % group_size != 0) throw std::invalid_argument("c * hw must be a multiple of group_size");
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(payload);
+  void* dst = reinterpret_cast<void*>(out);
+  switch (dtype) {
+    case kFloat32: return decode_channels_last_bits<float>(src, dst, layout, n, c, hw);
+    case kFloat16: return decode_channels_last_bits<c10::Half>(src, dst, layout, n, c, hw);
+    case kBFloat16: return decode_channels_last_bits<c10::BFloat16>(src, dst, layout, n, c, hw);
   }
   throw std::invalid_argument("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
 }
@@ -193,6 +223,15 @@ int64_t nonzeros_decode_scatter(int64_t payload, int64_t count, int64_t bits, in
   throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(bits));
 }
 
+// x: n * c * hw contiguous elements of `width` bytes (NCHW); out: the same count, written NHWC.
+void channels_last_copy(int64_t x, int64_t n, int64_t c, int64_t hw, int64_t width, int64_t out) {
+  if (n < 0 || c < 0 || hw < 0) throw std::invalid_argument("sizes must be >= 0");
+  with_width(width, [&](auto zero) {
+    using U = decltype(zero);
+    transpose::nchw_to_nhwc(at_address<const U>(x), at_address<U>(out), n, c, hw);
+  });
+}
+
 std::string build_info() {
 #if defined(CPU_CAPABILITY_AVX512)
   const char* isa = "avx512";
@@ -214,6 +253,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_into", &daf::decode_into, "unpack and dequantize format-1 rows into a buffer",
         py::call_guard<py::gil_scoped_release>());
+  m.def("decode_channels_last_into", &daf::decode_channels_last_into,
+        "unpack and dequantize format-1 rows of NCHW values into a channels-last buffer",
+        py::call_guard<py::gil_scoped_release>());
   m.def("relu_mask_encode", &daf::relu_mask_encode, "ReLU mask bits not (x <= 0)", py::call_guard<py::gil_scoped_release>());
   m.def("mask_encode", &daf::mask_encode, "two-valued mask bits", py::call_guard<py::gil_scoped_release>());
   m.def("mask_select", &daf::mask_select, "mask bits to one of two values", py::call_guard<py::gil_scoped_release>());
@@ -225,6 +267,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("nonzeros_decode_scatter", &daf::nonzeros_decode_scatter,
         "a ReLU output from the codes of its nonzeros and its mask; returns the set bits",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("channels_last_copy", &daf::channels_last_copy, "NCHW elements copied in NHWC order",
         py::call_guard<py::gil_scoped_release>());
   m.def("mask_unit", []() { return daf::masks::kUnit; });
   m.def("build_info", &daf::build_info);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "codes.h"
+#include "transpose.h"
 
 namespace daf {
 
@@ -160,6 +161,39 @@ void decode(const uint8_t* payload, T* out, Layout layout) {
       decode_span<BITS>(row + 4 + offset * BITS / 8, m, lo, step, dst);
       if constexpr (std::is_same_v<T, c10::Half>) clamp_to_half_range(buf, m);
       if constexpr (!std::is_same_v<T, float>) from_float(buf, out + start, m);
+    }
+  });
+}
+
+// Decode into a channels-last (NHWC) output of n images of c x hw values, which the payload holds
+// in NCHW order with every image starting a group (c * hw a multiple of group_size: the caller
+// checks). One image at a time per thread: its values are decoded into a staging buffer (200 KiB
+// at 64 x 28 x 28, so it stays in L2) and moved transposed into the output, one pass over the
+// output instead of a decode and a separate transposing copy. Values equal decode()'s bit for bit.
+template <typename T, int BITS>
+void decode_channels_last(const uint8_t* payload, T* out, Layout layout, int64_t n, int64_t c, int64_t hw) {
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+  const int64_t image = c * hw, block = std::min(layout.group_size, kBlock);
+  at::parallel_for(0, n, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, image)),
+                   [&](int64_t first, int64_t last) {
+    std::vector<float> values(image);
+    std::vector<T> typed(std::is_same_v<T, float> ? 0 : image);
+    for (int64_t i = first; i < last; ++i) {
+      for (int64_t start = 0; start < image; start += block) {
+        const int64_t at = i * image + start, m = std::min(block, image - start);
+        const int64_t g = at / layout.group_size, offset = at - g * layout.group_size;
+        const uint8_t* row = payload + g * layout.row_bytes();
+        float lo, step;
+        read_meta(row, lo, step);
+        decode_span<BITS>(row + 4 + offset * BITS / 8, m, lo, step, values.data() + start);
+      }
+      const void* src = values.data();
+      if constexpr (!std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<T, c10::Half>) clamp_to_half_range(values.data(), image);
+        from_float(values.data(), typed.data(), image);
+        src = typed.data();
+      }
+      transpose::image_to_nhwc(static_cast<const U*>(src), reinterpret_cast<U*>(out + i * image), c, hw);
     }
   });
 }
