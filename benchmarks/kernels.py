@@ -1,6 +1,6 @@
 """Compression kernels: native DAF against a naive plain-PyTorch quantizer, the reference codec and memcpy.
 
-flock /tmp/daf-cpu.lock python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256] [--large] [--resnet] [--masks] [--json FILE]
+flock /tmp/daf-cpu.lock python benchmarks/kernels.py [--sizes-mb 1 4 16 64 256] [--large] [--resnet] [--masks] [--layout] [--json FILE]
 
 For each fp32 size and bit-width, medians after one warm-up run, all in the same run:
 - copy: ``y.copy_(x)`` into a preallocated tensor, GB/s of fp32 copied (the machine's bandwidth);
@@ -16,6 +16,9 @@ reference codec and the native kernels (``benchmarks/resnet_step.py``, interleav
 ``--masks`` measures only the 1-bit masks and the nonzeros path on a ReLU output of 128x64x28x28
 (6.4M elements): the plain-PyTorch/numpy default of each ``torch.ops.daf`` mask op (DAF's code before
 the kernels) against its C++ kernel, interleaved round by round, medians after a warm-up round.
+``--layout`` measures the channels-last restore (``Config.channels_last``) of 2-bit records of
+ResNet-18's four stage shapes at batch 128: decode as saved, decode then PyTorch's transposing copy,
+decode then the kernel's copy, decode straight into NHWC; and a bool ReLU mask's copy.
 ``--dispatch`` measures what the op layer costs, in the same run, interleaved: the kernels called
 through ``torch.ops.daf`` (what DAF does) against the same kernels called directly through their
 pybind functions (how DAF called them before the op layer), per call and, with ``--resnet``, per
@@ -309,6 +312,56 @@ def print_masks(result: dict) -> None:
           f"one op {fused['one op'] * 1e3:.2f} ms ({fused['two ops'] / fused['one op']:.1f}x)")
 
 
+LAYOUT_SHAPES = ((128, 64, 28, 28), (128, 128, 14, 14), (128, 256, 7, 7), (128, 512, 4, 4))
+
+
+def bench_layout(rounds: int = 11, shapes: tuple[tuple[int, ...], ...] = LAYOUT_SHAPES) -> list[dict]:
+    """Median seconds to restore a 2-bit record channels-last, per way, interleaved round by round:
+    the decode as saved (the floor), then PyTorch's transposing copy (DAF before the kernel), then the
+    kernel's tiled copy, and the decode straight into NHWC; ReLU masks (bool): PyTorch's copy against the kernel's."""
+    from daf.kernels import layout_ops, ops
+
+    default_key = torch._C.DispatchKey.CompositeExplicitAutograd
+    rows = []
+    for shape in shapes:
+        x = torch.randn(shape)
+        numel = x.numel()
+        payload, _, _ = ops.encode_flat(x.reshape(-1), 2, GROUP, True, 0)
+        mask = (x > 0)
+        copy = torch.ops.daf.channels_last_copy.default
+
+        def flat() -> torch.Tensor:
+            return ops.decode_flat(payload, numel, 2, GROUP, torch.float32).view(shape)
+
+        ways = {"decode as saved": flat,
+                "decode + pytorch copy": lambda: copy._op_dk(default_key, flat()),
+                "decode + kernel copy": lambda: layout_ops.channels_last_copy(flat()),
+                "decode into NHWC": lambda: ops.decode_into(payload, 2, GROUP, torch.empty(
+                    shape, memory_format=torch.channels_last)),
+                "mask: pytorch copy": lambda: copy._op_dk(default_key, mask),
+                "mask: kernel copy": lambda: layout_ops.channels_last_copy(mask)}
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        for i in range(rounds + 1):  # round 0 warms up
+            for name, fn in (ways.items() if i % 2 else list(ways.items())[::-1]):
+                start = time.perf_counter()
+                fn()
+                if i:
+                    times[name].append(time.perf_counter() - start)
+        rows.append({"shape": list(shape), "rounds": rounds, "threads": torch.get_num_threads(),
+                     "median_s": {k: statistics.median(t) for k, t in times.items()}})
+    return rows
+
+
+def print_layout(rows: list[dict]) -> None:
+    names = list(rows[0]["median_s"])
+    print(f"\nchannels-last restore of a 2-bit record, ms (median of {rows[0]['rounds']} interleaved rounds, "
+          f"{rows[0]['threads']} threads)")
+    print(f"{'shape':<16} | " + " ".join(f"{n:>22}" for n in names))
+    for row in rows:
+        print(f"{'x'.join(map(str, row['shape'])):<16} | "
+              + " ".join(f"{row['median_s'][n] * 1e3:>22.2f}" for n in names))
+
+
 def print_row(row: dict) -> None:
     copy = row["copy_GBps"]
     print(f"\n{row['size_mb']} MB fp32 ({row['numel']:,} elements, median of {row['repeats']}): "
@@ -339,10 +392,19 @@ def main() -> None:
     parser.add_argument("--dispatch", action="store_true",
                         help="only the op layer against direct calls (with --resnet: per ResNet-18 step too)")
     parser.add_argument("--masks", action="store_true", help="only the 1-bit masks: default against native")
+    parser.add_argument("--layout", action="store_true",
+                        help="only the channels-last restore: decode then copy against decode into NHWC")
     parser.add_argument("--json")
     args = parser.parse_args()
     if native_backend() is None:
         raise SystemExit(f"native kernels unavailable: {native_status()}")
+    if args.layout:
+        figures = {"layout": bench_layout(), "native_status": native_status()}
+        print_layout(figures["layout"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=1)
+        return
     if args.masks:
         figures = {"masks": bench_masks(), "native_status": native_status()}
         print_masks(figures["masks"])
