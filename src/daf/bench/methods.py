@@ -10,10 +10,12 @@ from torch import nn
 
 from daf.config import Adaptive, Config
 
-__all__ = ["Method", "methods_for", "checkpoint_blocks", "WORKLOAD_BITS"]
+__all__ = ["Method", "methods_for", "checkpoint_blocks", "WORKLOAD_BITS", "CONVOLUTIONAL"]
 
 # The bits that keep each workload's result (docs/results.md): SmolLM2 needs 8.
 WORKLOAD_BITS = {"resnet18-fmnist": 2, "minilm-tweets": 2, "smollm-lora": 8, "tiny-mnist": 2}
+# Workloads of 4-D feature maps, where the channels-last restore (Config.channels_last) applies.
+CONVOLUTIONAL = frozenset({"resnet18-fmnist", "tiny-mnist"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ def methods_for(workload: str, cap_bytes: int, quick: bool = False) -> list[Meth
         Method("compile budget 0.5", compile=True,
                notes="torch.compile, torch._functorch.config.activation_memory_budget = 0.5"),
         Method(f"DAF {bits}-bit", daf=uniform),
+        *([Method(f"DAF {bits}-bit channels-last", daf=uniform.replace(channels_last=True),
+                  notes="restored conv/BN/ReLU inputs channels-last (--layout channels-last)")]
+          if workload in CONVOLUTIONAL and not uniform.channels_last else []),
         Method(f"DAF adaptive {bits:.1f}", daf=Config(policy=Adaptive(average=float(bits)))),
         Method(f"DAF {bits}-bit + checkpoint", daf=uniform, checkpoint=True),
         Method(f"DAF {bits}-bit budget", daf=uniform.replace(budget=cap_bytes // 8),
