@@ -52,3 +52,12 @@ def test_other_ranks_and_layouts_are_left_as_saved():
     already = feature_map().contiguous(memory_format=torch.channels_last)
     restored = codecs.decode(codecs.encode("codes", already, Spec(4, 1)), channels_last=True)
     assert restored.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_permuted_map_comes_back_channels_last_too():
+    codecs = Codecs(daf.Config())
+    permuted = feature_map((3, 6, 64, 6)).transpose(1, 2)  # 4-D, dense, neither layout
+    packed = codecs.encode("codes", permuted, Spec(4, 1))
+    restored = codecs.decode(packed, channels_last=True)
+    assert restored.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(restored, codecs.decode(packed))

@@ -107,11 +107,15 @@ class Codecs:
         """The tensor of ``packed``; with ``channels_last``, a 4-D one comes back in that layout (format-1
         codes decoded straight into it, other records copied by ``to_channels_last``)."""
         if channels_last and type(packed) is Packed:  # every codes codec decodes plain format-1 as minmax does
-            return minmax.decode(packed, self.backend, channels_last=True)
+            tensor = minmax.decode(packed, self.backend, channels_last=True)
+        else:
+            tensor = self._decoder_of(packed).decode(packed)
+        return to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
+
+    def _decoder_of(self, packed: Packed) -> Codec:
         for packed_type, codec in self._decoders:
             if isinstance(packed, packed_type):
-                tensor = codec.decode(packed)
-                return to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
+                return codec
         raise TypeError(f"DAF has no codec for a record of type {type(packed).__name__}")
 
     def decode_nonzeros(self, packed: Packed, mask: MaskPacked, site: str, channels_last: bool = False) -> torch.Tensor:
