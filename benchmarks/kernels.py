@@ -54,6 +54,19 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def take_turns(ways: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds of each way over ``rounds`` rounds after a warm-up round, the ways taking turns
+    at going first (a change in the machine's load falls on all)."""
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for i in range(rounds + 1):
+        for name, fn in (ways.items() if i % 2 else list(ways.items())[::-1]):
+            start = time.perf_counter()
+            fn()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
 def _shifts(bits: int) -> torch.Tensor:
     return torch.arange(0, 8, bits, dtype=torch.uint8)
 
@@ -280,13 +293,8 @@ def bench_masks(rounds: int = 11, shape: tuple[int, ...] = MASK_SHAPE) -> dict:
     fused = {"two ops": lambda: torch.ops.daf.mask_scatter(
                  torch.ops.daf.format1_decode(payload, count, 2, 256, torch.float32), bits, numel),
              "one op": lambda: torch.ops.daf.nonzeros_decode_scatter(payload, count, 2, 256, bits, numel)}
-    fused_times: dict[str, list[float]] = {k: [] for k in fused}
+    fused_medians = take_turns(fused, rounds)
     for i in range(rounds + 1):  # round 0 warms up
-        for name, fn in (fused.items() if i % 2 else list(fused.items())[::-1]):
-            start = time.perf_counter()
-            fn()
-            if i:
-                fused_times[name].append(time.perf_counter() - start)
         for name, (op, *args) in calls.items():
             packet = getattr(torch.ops.daf, op).default
             runs = [("default", lambda: packet._op_dk(default_key, *args)), ("native", lambda: packet(*args))]
@@ -297,7 +305,7 @@ def bench_masks(rounds: int = 11, shape: tuple[int, ...] = MASK_SHAPE) -> dict:
                     times[name][impl].append(time.perf_counter() - start)
     return {"shape": list(shape), "numel": numel, "rounds": rounds, "threads": torch.get_num_threads(),
             "median_s": {k: {impl: statistics.median(t) for impl, t in v.items()} for k, v in times.items()},
-            "nonzeros_decode_median_s": {k: statistics.median(t) for k, t in fused_times.items()}}
+            "nonzeros_decode_median_s": fused_medians}
 
 
 def print_masks(result: dict) -> None:
@@ -340,15 +348,8 @@ def bench_layout(rounds: int = 11, shapes: tuple[tuple[int, ...], ...] = LAYOUT_
                     shape, memory_format=torch.channels_last)),
                 "mask: pytorch copy": lambda: copy._op_dk(default_key, mask),
                 "mask: kernel copy": lambda: layout_ops.channels_last_copy(mask)}
-        times: dict[str, list[float]] = {k: [] for k in ways}
-        for i in range(rounds + 1):  # round 0 warms up
-            for name, fn in (ways.items() if i % 2 else list(ways.items())[::-1]):
-                start = time.perf_counter()
-                fn()
-                if i:
-                    times[name].append(time.perf_counter() - start)
         rows.append({"shape": list(shape), "rounds": rounds, "threads": torch.get_num_threads(),
-                     "median_s": {k: statistics.median(t) for k, t in times.items()}})
+                     "median_s": take_turns(ways, rounds)})
     return rows
 
 
@@ -398,20 +399,15 @@ def main() -> None:
     args = parser.parse_args()
     if native_backend() is None:
         raise SystemExit(f"native kernels unavailable: {native_status()}")
-    if args.layout:
-        figures = {"layout": bench_layout(), "native_status": native_status()}
-        print_layout(figures["layout"])
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(figures, f, indent=1)
-        return
-    if args.masks:
-        figures = {"masks": bench_masks(), "native_status": native_status()}
-        print_masks(figures["masks"])
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(figures, f, indent=1)
-        return
+    for flag, (key, bench, show) in {"layout": ("layout", bench_layout, print_layout),
+                                     "masks": ("masks", bench_masks, print_masks)}.items():
+        if getattr(args, flag):  # one part alone
+            figures = {key: bench(), "native_status": native_status()}
+            show(figures[key])
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(figures, f, indent=1)
+            return
     if args.dispatch:
         figures = {"dispatch": bench_dispatch(), "native_status": native_status()}
         print_dispatch(figures["dispatch"])
