@@ -299,7 +299,7 @@ def test_codec_flag_sets_the_codes_codec(tmp_path, codec, kind, derivatives):
     assert config["codec"]["kind"] == kind and config["codec"].get("derivatives") == derivatives
 
 
-@pytest.mark.parametrize("layout, channels_last", [(None, False), ("channels-last", True), ("as-saved", False)])
+@pytest.mark.parametrize("layout, channels_last", [(None, True), ("channels-last", True), ("as-saved", False)])
 def test_layout_flag_sets_config_channels_last(tmp_path, layout, channels_last):
     path = tmp_path / "run.json"
     flag = [] if layout is None else ["--layout", layout]

@@ -124,7 +124,7 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     compress.add_argument("--backend", help="auto, native or reference")
     compress.add_argument("--layout", choices=tuple(_LAYOUTS),
                           help="the layout 4-D saves of convolutions, batch norms and ReLUs come back in on the CPU: "
-                               "as-saved (default) or channels-last (no reorder buffers in convolution backward: a lower peak, about 6%% more time)")
+                               "channels-last (default: no reorder buffers in convolution backward, a lower peak) or as-saved")
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the figures to FILE (schema daf.results/1)")
     out.add_argument("--out", metavar="DIR", help="where the PNG plots go (default: results/WORKLOAD)")
