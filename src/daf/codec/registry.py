@@ -24,7 +24,6 @@ from daf.codec.nonzeros import decode_nonzeros
 from daf.codec.spec import Codec, Spec
 from daf.config import Config, Division, MinMax, Outliers, register_config_type
 from daf.format import Packed
-from daf.kernels.layout_ops import to_channels_last
 
 __all__ = ["Codecs", "register_codes_codec", "codes_codec"]
 
@@ -64,6 +63,11 @@ def codes_codec(config: Config, backend: Backend | None = None) -> Any:
         known = ", ".join(t.__name__ for t in _CODES_CODECS)
         raise ValueError(f"Config.codec {config.codec!r} has no codec registered; registered: {known}")
     return factory(choice, minmax)
+
+
+def _to_channels_last(tensor: torch.Tensor) -> torch.Tensor:
+    from daf.kernels.layout_ops import to_channels_last  # on first use: importing daf builds and loads nothing
+    return to_channels_last(tensor)
 
 
 class Codecs:
@@ -110,7 +114,7 @@ class Codecs:
             tensor = minmax.decode(packed, self.backend, channels_last=True)
         else:
             tensor = self._decoder_of(packed).decode(packed)
-        return to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
+        return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
 
     def _decoder_of(self, packed: Packed) -> Codec:
         for packed_type, codec in self._decoders:
@@ -122,7 +126,7 @@ class Codecs:
         """The ReLU output whose nonzeros ``packed`` holds and whose ReLU mask is ``mask``
         (``daf.codec.nonzeros.decode_nonzeros``), channels-last as ``decode`` says."""
         tensor = decode_nonzeros(packed, mask, site, self.decode)
-        return to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
+        return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
         return self.codes.reencode(packed, bits, seed)
