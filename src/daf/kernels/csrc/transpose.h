@@ -13,30 +13,75 @@
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace daf {
 namespace transpose {
 
 constexpr int64_t kTile = 32;
 constexpr int64_t kGrainElements = 32768;  // below this one thread is faster
 
+#if defined(__SSE2__)
+// A 16 x 16 block of bytes (ReLU masks restored as bool): four rounds of SSE2 unpacks, each
+// interleaving twice as many bytes as the last; out row k is column k of the block.
+inline void transpose_16x16_bytes(const uint8_t* src, int64_t ld_src, uint8_t* dst, int64_t ld_dst) {
+  __m128i r[16], b[16], c[16], d[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+  for (int i = 0; i < 8; ++i) {  // rows 2i, 2i+1: columns 0-7, then 8-15
+    b[2 * i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+    b[2 * i + 1] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // rows 4q..4q+3: columns 0-3, 4-7, 8-11, 12-15
+    c[4 * q] = _mm_unpacklo_epi16(b[4 * q], b[4 * q + 2]);
+    c[4 * q + 1] = _mm_unpackhi_epi16(b[4 * q], b[4 * q + 2]);
+    c[4 * q + 2] = _mm_unpacklo_epi16(b[4 * q + 1], b[4 * q + 3]);
+    c[4 * q + 3] = _mm_unpackhi_epi16(b[4 * q + 1], b[4 * q + 3]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: columns 2k, 2k+1 in d[8h + k]
+    for (int j = 0; j < 4; ++j) {
+      d[8 * h + 2 * j] = _mm_unpacklo_epi32(c[8 * h + j], c[8 * h + 4 + j]);
+      d[8 * h + 2 * j + 1] = _mm_unpackhi_epi32(c[8 * h + j], c[8 * h + 4 + j]);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {  // all 16 rows: columns 2k and 2k+1
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * k) * ld_dst), _mm_unpacklo_epi64(d[k], d[8 + k]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * k + 1) * ld_dst), _mm_unpackhi_epi64(d[k], d[8 + k]));
+  }
+}
+#endif
+
 // dst[p * ld_dst + ch] = src[ch * ld_src + p] for ch in [c0, c1), p in [p0, p1).
 template <typename U>
 inline void move_block(const U* src, int64_t ld_src, U* dst, int64_t ld_dst, int64_t c0, int64_t c1, int64_t p0,
                        int64_t p1) {
-  int64_t c8 = c0, p8 = p0;
+  int64_t c_blocks = c0, p_blocks = p0;
   if constexpr (sizeof(U) == 4) {  // 8 x 8 blocks through registers; moving float bit patterns is exact
-    c8 = c0 + (c1 - c0) / 8 * 8;
-    p8 = p0 + (p1 - p0) / 8 * 8;
-    for (int64_t ch = c0; ch < c8; ch += 8) {
-      for (int64_t p = p0; p < p8; p += 8) {
+    c_blocks = c0 + (c1 - c0) / 8 * 8;
+    p_blocks = p0 + (p1 - p0) / 8 * 8;
+    for (int64_t ch = c0; ch < c_blocks; ch += 8) {
+      for (int64_t p = p0; p < p_blocks; p += 8) {
         at::vec::transpose_mxn<float, 8, 8>(reinterpret_cast<const float*>(src + ch * ld_src + p), ld_src,
                                             reinterpret_cast<float*>(dst + p * ld_dst + ch), ld_dst);
       }
     }
   }
-  for (int64_t p = p0; p < p1; ++p) {  // what the 8 x 8 blocks left: the last rows and columns
+#if defined(__SSE2__)
+  if constexpr (sizeof(U) == 1) {  // 16 x 16 blocks of bytes
+    c_blocks = c0 + (c1 - c0) / 16 * 16;
+    p_blocks = p0 + (p1 - p0) / 16 * 16;
+    for (int64_t ch = c0; ch < c_blocks; ch += 16) {
+      for (int64_t p = p0; p < p_blocks; p += 16) {
+        transpose_16x16_bytes(reinterpret_cast<const uint8_t*>(src + ch * ld_src + p), ld_src,
+                              reinterpret_cast<uint8_t*>(dst + p * ld_dst + ch), ld_dst);
+      }
+    }
+  }
+#endif
+  for (int64_t p = p0; p < p1; ++p) {  // what the blocks left: the last rows and columns
     U* row = dst + p * ld_dst;
-    for (int64_t ch = (p < p8 ? c8 : c0); ch < c1; ++ch) row[ch] = src[ch * ld_src + p];
+    for (int64_t ch = (p < p_blocks ? c_blocks : c0); ch < c1; ++ch) row[ch] = src[ch * ld_src + p];
   }
 }
 
