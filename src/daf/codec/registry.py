@@ -18,8 +18,8 @@ from daf.codec.channel import ChannelCodec, ChannelPacked
 from daf.codec.derivative import DerivativePacked
 from daf.codec.division import DivisionCodec, DivisionPacked
 from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec, ReluMaskPacked
-from daf.codec import minmax
 from daf.codec.minmax import MinMaxCodec
+from daf.codec.minmax import decode as decode_codes
 from daf.codec.nonzeros import decode_nonzeros
 from daf.codec.spec import Codec, Spec
 from daf.config import Config, Division, MinMax, Outliers, register_config_type
@@ -111,7 +111,7 @@ class Codecs:
         """The tensor of ``packed``; with ``channels_last``, a 4-D one comes back in that layout (format-1
         codes decoded straight into it, other records copied by ``to_channels_last``)."""
         if channels_last and type(packed) is Packed:  # every codes codec decodes plain format-1 as minmax does
-            tensor = minmax.decode(packed, self.backend, channels_last=True)
+            tensor = decode_codes(packed, self.backend, channels_last=True)
         else:
             tensor = self._decoder_of(packed).decode(packed)
         return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
