@@ -296,3 +296,29 @@ def test_second_install_reports_the_allocator_actually_in_use():
     """)
     assert result["status"]["mode"] == "in-process" and result["status"]["name"] == "tcmalloc"
     assert result["second"] == result["status"]
+
+
+@needs_tcmalloc
+def test_release_free_memory_returns_what_preloaded_tcmalloc_kept():
+    """Freed Python bytes stay in tcmalloc's heap (RSS) until release_free_memory gives them back."""
+    result = _child("""
+        from daf.allocator.native import release_free_memory
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096
+        chunks = [bytes(8 << 20) for _ in range(24)]  # 192 MiB in 8 MiB Python objects
+        del chunks
+        kept = rss()
+        asked = release_free_memory()
+        emit(kept=kept, after=rss(), asked=asked)
+    """, _env(LD_PRELOAD=TCMALLOC))
+    assert "tcmalloc" in result["asked"]
+    assert result["kept"] - result["after"] > 100 * MIB
+
+
+def test_release_free_memory_on_the_system_allocator_asks_glibc_only():
+    result = _child("""
+        from daf.allocator.native import release_free_memory
+        emit(asked=release_free_memory())
+    """)
+    assert "tcmalloc" not in result["asked"]
+    assert result["asked"] in (["glibc"], [])  # [] on a libc without malloc_trim

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from daf.allocator.native import install as install_allocator
+from daf.allocator.native import release_free_memory
 from daf.config import Config
 from daf.workloads import get_workload
 from daf.workloads.base import Workload
@@ -119,6 +120,8 @@ def run_training(settings: RunSettings) -> dict[str, Any]:
     data_hash = hashlib.sha1()
     counter = SavedBytes()
     timeline = StepTimeline(_held_bytes(model, counter, settings.daf is not None))
+    # What loading freed, both arms alike: tcmalloc (preloaded) would otherwise keep it in the peak
+    record["released_before_training"] = release_free_memory()
     peak = PeakRSS()
     torch.manual_seed(workload.seed)  # dropout masks start from the same state in both arms
     with StopRequest() as stop:
