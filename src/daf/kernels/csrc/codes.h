@@ -5,6 +5,11 @@
 
 #include "format1.h"
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include "codes_avx2.h"
+#define DAF_CODES_AVX2 1
+#endif
+
 namespace daf {
 
 // Codes of x[0, 64) under lo/inv, format step 5. Elements of a regular group satisfy x >= lo,
@@ -98,6 +103,12 @@ inline void encode_span(const float* x, int64_t n, const Scale& s, int64_t index
   alignas(64) uint8_t codes[kChunk];
   alignas(64) uint8_t packed[kChunk];
   int64_t j = 0;
+#ifdef DAF_CODES_AVX2
+  if constexpr (BITS < 8) {
+    for (; j + kChunk <= n; j += kChunk)
+      avx2::encode64<BITS, STOCHASTIC>(x + j, s, static_cast<uint32_t>(index + j), key, out + j * BITS / 8);
+  }
+#endif
   for (; j + kChunk <= n; j += kChunk) {
     quantize64<BITS, STOCHASTIC>(x + j, s, static_cast<uint32_t>(index + j), key, codes);
     pack64<BITS>(codes, out + j * BITS / 8);
