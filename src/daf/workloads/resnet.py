@@ -22,9 +22,16 @@ class BasicBlock(nn.Module):
             self.shortcut = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x))
+        # One op per line, rebinding `out` (torchvision's style): a nested call keeps its inner results
+        # alive in this frame until the outer one returns. Under fp32 autograd holds them anyway; under
+        # DAF their stored form is compressed, and a frame holding the full-size tensor undoes that.
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = F.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        out = out + self.shortcut(x)
+        return F.relu(out)
 
 
 class ResNet18(nn.Module):
@@ -47,7 +54,13 @@ class ResNet18(nn.Module):
         self.linear = nn.Linear(in_planes, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = F.relu(out)
+        # Block by block rather than stage by stage: calling a stage (an nn.Sequential) keeps its input,
+        # a full-size tensor, alive in the call's arguments until the stage's last block returns.
+        for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
+            for block in stage:
+                out = block(out)
         out = F.adaptive_avg_pool2d(out, 1).flatten(1)
         return self.linear(out)
