@@ -78,3 +78,27 @@ def test_resnet18_fmnist_keeps_pixels_and_gives_the_same_batches_as_a_normalized
     images, targets = next(workload.batches(64, 1))
     index = torch.tensor([int((normalized[:256] == image).flatten(1).all(1).nonzero()[0]) for image in images])
     assert images.dtype == torch.float32 and torch.equal(images, normalized[index]) and torch.equal(targets, labels[index])
+
+
+def test_resnet18_frames_hold_no_full_size_tensor_that_daf_stored():
+    """Under DAF a block's input is stored compressed by the next block's first convolution; the model's
+    own Python frames must not keep the full-size tensor alive behind it (a stage called as one
+    nn.Sequential held its input until its last block returned)."""
+    import weakref
+
+    import daf
+    from daf.workloads.resnet import ResNet18
+
+    model = daf.wrap(ResNet18(num_classes=10, in_channels=1, width=8).train())
+    seen: dict[str, weakref.ref] = {}
+    alive_later: list[bool] = []
+    model.layer1[0].register_forward_pre_hook(lambda m, args: seen.update(stem=weakref.ref(args[0])))
+    model.layer1[1].conv2.register_forward_pre_hook(lambda m, args: alive_later.append(seen["stem"]() is not None))
+    model(torch.randn(4, 1, 16, 16)).sum().backward()
+    assert alive_later == [False]
+
+    plain = ResNet18(num_classes=10, in_channels=1, width=8).train()  # and without DAF autograd keeps it
+    plain.layer1[0].register_forward_pre_hook(lambda m, args: seen.update(stem=weakref.ref(args[0])))
+    plain.layer1[1].conv2.register_forward_pre_hook(lambda m, args: alive_later.append(seen["stem"]() is not None))
+    plain(torch.randn(4, 1, 16, 16)).sum().backward()
+    assert alive_later == [False, True]
