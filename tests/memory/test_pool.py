@@ -126,3 +126,58 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+
+
+def _resident_pages(address: int, count: int) -> int | None:
+    """How many of the ``count`` system pages from ``address`` are in memory (/proc/self/pagemap's present
+    bit; None where it cannot be read)."""
+    import mmap
+    import struct
+
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(address // mmap.PAGESIZE * 8)
+            entries = struct.unpack(f"<{count}Q", pagemap.read(8 * count))
+    except (OSError, struct.error):
+        return None
+    return sum(entry >> 63 for entry in entries)
+
+
+def test_freed_pages_go_back_to_the_system():
+    import mmap
+
+    """Backward frees records while it allocates full-size tensors elsewhere: the pool must not keep the
+    freed pages resident (the step's peak would count every record stored in forward)."""
+    pool = PagePool(PAGE, "cpu", min_growth_bytes=64 * PAGE)
+    pages = pool.allocate(64)
+    pool.write(pages, _bytes(64 * PAGE, 1))
+    address = pool.views(pages, 64 * PAGE)[0].data_ptr()
+    system_pages = 64 * PAGE // mmap.PAGESIZE
+    if _resident_pages(address, system_pages) != system_pages:
+        pytest.skip("/proc/self/pagemap cannot be read here")
+    keep, drop = pages[:16], pages[16:]
+    pool.free(drop)
+    assert _resident_pages(address, system_pages) == 16 * PAGE // mmap.PAGESIZE
+    assert not pool.read(drop, 48 * PAGE).any()  # discarded, not only unmapped (they read as fresh zeros)
+    assert torch.equal(pool.read(keep, 16 * PAGE), _bytes(64 * PAGE, 1)[: 16 * PAGE])  # the rest untouched
+    again = pool.allocate(48)
+    pool.write(again, _bytes(48 * PAGE, 2))  # given-back pages serve again
+    assert torch.equal(pool.read(again, 48 * PAGE), _bytes(48 * PAGE, 2))
+
+
+def test_pages_smaller_than_the_systems_give_back_only_whole_system_pages(monkeypatch):
+    """With 16 KiB system pages and 4 KiB pool pages, freeing one pool page must not clear its neighbours."""
+    import mmap
+
+    import daf.memory.pool as pool_module
+
+    monkeypatch.setattr(pool_module.mmap, "PAGESIZE", 4 * mmap.PAGESIZE)
+    pool = PagePool(PAGE, "cpu", min_growth_bytes=16 * PAGE)
+    pages = pool.allocate(16)
+    data = _bytes(16 * PAGE, 3)
+    pool.write(pages, data)
+    pool.free(pages[5:6])  # inside one (pretend) system page whose other pool pages are live
+    pool.free(pages[8:12])  # one whole (pretend) system page: given back
+    for run in (pages[:5], pages[6:8], pages[12:]):
+        first = run[0] - pages[0]
+        assert torch.equal(pool.read(run, len(run) * PAGE), data[first * PAGE: (first + len(run)) * PAGE])

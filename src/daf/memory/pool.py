@@ -34,14 +34,17 @@ from daf.memory.free_runs import FreeRuns
 
 __all__ = ["PagePool", "PoolExhausted"]
 
-def _reserve(nbytes: int, device: torch.device) -> torch.Tensor:
-    """uint8 [nbytes] on ``device``. On the CPU an anonymous mapping of its own rather than
-    malloc: a long-lived chunk on top of glibc's heap would keep every free byte below it
+def _reserve(nbytes: int, device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """uint8 [nbytes] on ``device``, and its mapping on the CPU. There an anonymous mapping of its own
+    rather than malloc: a long-lived chunk on top of glibc's heap would keep every free byte below it
     resident (docs/memory.md); a mapping is outside the heap and is unmapped when dropped.
     Its pages cost RSS only once written."""
     if device.type == "cpu":
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor keeps the map alive
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # Private: MADV_DONTNEED then discards freed pages (a shared anonymous mapping, mmap's default,
+        # would only unmap them from this process and keep their memory as shmem).
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(mapping, dtype=torch.uint8), mapping  # the tensor keeps the map alive too
+    return torch.empty(nbytes, dtype=torch.uint8, device=device), None
 
 
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -83,6 +86,7 @@ class PagePool:
         self.growth_fraction = growth_fraction
         self.min_growth_pages = max(1, min_growth_bytes // page_size)
         self._chunks: list[torch.Tensor] = []
+        self._maps: list[mmap.mmap | None] = []  # each CPU chunk's mapping, to give freed pages back
         self._starts: list[int] = []  # first page id of each chunk, ascending
         self._free = FreeRuns()
         self.reserved_pages = 0
@@ -117,11 +121,31 @@ class PagePool:
         return pages
 
     def free(self, pages: list[int]) -> None:
-        """Give ``pages`` back; the next ``allocate`` may hand them out. O(len(pages)) in C for one run."""
+        """Give ``pages`` back; the next ``allocate`` may hand them out. O(len(pages)) in C for one run.
+
+        On the CPU their memory also goes back to the system at once (``MADV_DONTNEED``): backward
+        frees records while it allocates full-size gradients and restored tensors, and pages the pool
+        kept resident could not serve those (they come from the tensor allocator), so the step's peak
+        would count every record stored in forward. The next forward faults them in again.
+        """
         self._free.give(pages)
         self.in_use_pages -= len(pages)
+        self._give_back(pages)
         if self.in_use_pages == 0:
             self._end_step()
+
+    def _give_back(self, pages: list[int]) -> None:
+        for chunk, first, count in self._runs(pages):
+            mapping = self._maps[chunk]
+            if mapping is None:
+                continue
+            # Only the system's pages that lie wholly inside the run: with pages larger than the pool's
+            # (64 KiB on some Arm systems) the rest of a system page may hold a live record.
+            start = (first - self._starts[chunk]) * self.page_size
+            begin = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = (start + count * self.page_size) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > begin:
+                mapping.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
     # -- bytes -----------------------------------------------------------------------------
     def write(self, pages: list[int], payload: torch.Tensor) -> None:
@@ -194,9 +218,10 @@ class PagePool:
         self.growths += 1
 
     def _add_chunk(self, pages: int) -> None:
-        chunk = _reserve(pages * self.page_size, self.device)
+        chunk, mapping = _reserve(pages * self.page_size, self.device)
         self._starts.append(self.reserved_pages)
         self._chunks.append(chunk)
+        self._maps.append(mapping)
         self._free.add(self.reserved_pages, pages)
         self.reserved_pages += pages
 
@@ -206,7 +231,7 @@ class PagePool:
         self.step_high_water = 0
         if len(self._chunks) > 1:
             total = self.reserved_pages
-            self._chunks, self._starts, self.reserved_pages = [], [], 0
+            self._chunks, self._maps, self._starts, self.reserved_pages = [], [], [], 0
             self._free.clear()
             self._add_chunk(total)
             self.compactions += 1
