@@ -181,3 +181,38 @@ def test_pages_smaller_than_the_systems_give_back_only_whole_system_pages(monkey
     for run in (pages[:5], pages[6:8], pages[12:]):
         first = run[0] - pages[0]
         assert torch.equal(pool.read(run, len(run) * PAGE), data[first * PAGE: (first + len(run)) * PAGE])
+
+
+def test_large_chunks_give_back_whole_huge_pages_once_their_neighbours_are_free():
+    """A chunk of huge pages gives back only whole huge pages (a partial one would split it, and faults
+    4 KiB at a time cost 20x more): freeing a record leaves its huge page resident while a neighbour
+    on it is live, and gives it back when the neighbour goes."""
+    import mmap
+
+    from daf.memory.pool import _huge_page_bytes
+
+    huge = _huge_page_bytes()
+    per_huge = huge // PAGE
+    pool = PagePool(PAGE, "cpu", min_growth_bytes=4 * huge)
+    pages = pool.allocate(4 * per_huge)
+    data = _bytes(4 * huge, 4)
+    pool.write(pages, data)
+    address = pool.views(pages, 4 * huge)[0].data_ptr()
+    system_pages = 4 * huge // mmap.PAGESIZE
+    if _resident_pages(address, system_pages) != system_pages:
+        pytest.skip("/proc/self/pagemap cannot be read here")
+    if pool._maps[0].unit != huge:
+        pytest.skip("no transparent huge pages for this mapping")
+    first_whole = -(-address // huge) * huge  # the first huge page boundary in the chunk
+    index = (first_whole - address) // PAGE  # its pool page
+    one = pages[index: index + per_huge]  # exactly one huge page
+    pool.free(one[: per_huge // 2])  # half of it: nothing can go back
+    assert _resident_pages(first_whole, huge // mmap.PAGESIZE) == huge // mmap.PAGESIZE
+    pool.free(one[per_huge // 2:])  # the rest: the whole huge page goes back
+    assert _resident_pages(first_whole, huge // mmap.PAGESIZE) == 0
+    live = pages[:index] + pages[index + per_huge:]
+    for run in (pages[:index], pages[index + per_huge:]):
+        if run:
+            first = run[0] - pages[0]
+            assert torch.equal(pool.read(run, len(run) * PAGE), data[first * PAGE: (first + len(run)) * PAGE])
+    pool.free(live)

@@ -85,6 +85,19 @@ class FreeRuns:
             previous = page
         self.add(first, previous + 1 - first)
 
+    def run_of(self, page: int) -> tuple[int, int]:
+        """The free run ``[start, end)`` that holds ``page``; ``KeyError`` if it is not free. O(log(runs)).
+
+        >>> free = FreeRuns(); free.add(0, 4); free.add(6, 2); free.run_of(7)
+        (6, 8)
+        """
+        index = self._runs.bisect_right(page) - 1
+        if index >= 0:
+            start, end = self._runs.peekitem(index)
+            if page < end:
+                return start, end
+        raise KeyError(f"page {page} is not free")
+
     def take(self, count: int) -> list[int]:
         """The ``count`` lowest free page ids, no longer free. The caller checks ``len`` first."""
         if count > self._count:
