@@ -106,10 +106,11 @@ def run_probe_process(workload: str, method: Method, batch: int, steps: int, cap
     return ProbeOutcome(batch, fits, peak, result["step_seconds"], "" if fits else "peak RSS over the cap")
 
 
-# Steps a probe trains. Three, not two: DAF's process settles only in its third step (the page pool is
-# rebuilt as one chunk after the first, and the allocator's heap takes the shape of a steady step after
-# the second); at batch 512 on resnet18-fmnist its peak after two steps was 8-10% below the plateau that
-# steps 3-6 hold. fp32 is measured the same way.
+# Steps a probe trains. Three, not two: DAF's process may settle only in its third step (the page pool is
+# rebuilt as one chunk after the first, and the allocator's heap takes a steady step's shape after the
+# second): at batch 512 on resnet18-fmnist its peak after two steps was 7% (1244 against 1334 MiB) and,
+# in another run, 9% below the plateau that steps 3-6 hold (benchmarks/rss_by_step.py); in a third
+# run it was already there. fp32 settles in its first step; it is measured the same way.
 PROBE_STEPS = 3
 
 

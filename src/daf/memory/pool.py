@@ -150,10 +150,9 @@ class PagePool:
     def free(self, pages: list[int]) -> None:
         """Give ``pages`` back; the next ``allocate`` may hand them out. O(len(pages)) in C for one run.
 
-        On the CPU their memory also goes back to the system at once (``MADV_DONTNEED``): backward
-        frees records while it allocates full-size gradients and restored tensors, and pages the pool
-        kept resident could not serve those (they come from the tensor allocator), so the step's peak
-        would count every record stored in forward. The next forward faults them in again.
+        On the CPU their memory also goes back to the system at once (``MADV_DONTNEED``): between steps
+        the process no longer holds the pool's high-water mark (docs/paging.md; the step's peak, at
+        the end of forward, is not lowered by it). The next forward faults them in again.
         """
         self._free.give(pages)
         self.in_use_pages -= len(pages)
