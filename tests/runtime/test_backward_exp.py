@@ -1,13 +1,17 @@
 """Saves that backward exponentiates keep 8 bits: fused attention's (softmax recomputed from q, k and an
-exact logsumexp) and log_softmax's output (cross-entropy's backward is grad - exp(output) * sum(grad))."""
+exact logsumexp); log_softmax's output (cross-entropy's backward is grad - exp(output) * sum(grad)) is
+stored as its probabilities instead, at 4 bits."""
+
+import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import daf
-from daf.policy import exponent_guard as session_module
-from daf.policy.exponent_guard import SOFTMAX_RECOMPUTE_BITS
+from daf.policy import exponent_guard as guard_module
+from daf.policy.exponent_guard import PROBABILITY_BITS, SOFTMAX_RECOMPUTE_BITS
+route_module = importlib.import_module("daf.runtime.route")  # the package exports the function under this name
 
 
 class Attention(torch.nn.Module):
@@ -69,7 +73,7 @@ def test_sharp_attention_at_two_bits_needs_the_rule(monkeypatch, sharpness):
     daf.wrap(model, bits=2, min_numel=1)
     kept = _grads(model, x)
     assert torch.isfinite(kept).all() and F.cosine_similarity(kept, reference, dim=0) > 0.97
-    monkeypatch.setattr(session_module, "SOFTMAX_RECOMPUTE_BITS", 2)
+    monkeypatch.setattr(guard_module, "SOFTMAX_RECOMPUTE_BITS", 2)
     broken = _grads(model, x)  # the same codes for q, k, v and the output as for everything else
     assert not torch.isfinite(broken).all() or F.cosine_similarity(broken, reference, dim=0) < 0.5
 
@@ -90,27 +94,63 @@ class SharpClassifier(torch.nn.Module):
         return F.cross_entropy(self.logits(x), y)
 
 
-def test_log_softmax_output_keeps_eight_bits(monkeypatch):
+def _sharp_case() -> tuple[SharpClassifier, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model, x = SharpClassifier(), torch.randn(256, 64)
     with torch.no_grad():  # mostly right and confident, like a trained model
         y = torch.where(torch.rand(256) < 0.7, model.logits(x).argmax(1), torch.randint(0, 4096, (256,)))
+    return model, x, y
 
-    def grads() -> torch.Tensor:
-        model.zero_grad()
-        model(x, y).backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    reference = grads()
+def _classifier_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    model.zero_grad()
+    model(x, y).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _log_softmax_rows(model: torch.nn.Module) -> list:
+    return [r for r in daf.report(model).rows if r.source == "LogSoftmaxBackward0"]
+
+
+def test_log_softmax_output_is_stored_as_4_bit_probabilities(monkeypatch):
+    model, x, y = _sharp_case()
+    reference = _classifier_grads(model, x, y)
     daf.wrap(model, bits=2, min_numel=1)
-    kept = grads()
-    rows = [r for r in daf.report(model).rows if r.source == "LogSoftmaxBackward0" and r.kind == "compressed"]
-    assert [r.bits for r in rows] == [SOFTMAX_RECOMPUTE_BITS]
+    kept = _classifier_grads(model, x, y)
+    rows = _log_softmax_rows(model)
+    # cross_entropy saves it twice (log_softmax, then nll_loss): one record, shared
+    assert [(r.kind, r.bits) for r in rows] == [("compressed", PROBABILITY_BITS), ("shared", None)]
+    assert rows[0].stored_bytes < rows[0].raw_bytes / 6  # half the bytes of the 8-bit codes it replaces
     error = ((kept - reference).norm() / reference.norm()).item()
     assert error < 0.7  # 0.43 when measured: the 2-bit tanh output's share
-    monkeypatch.setattr(session_module, "SOFTMAX_RECOMPUTE_BITS", 2)
-    broken = grads()
+    monkeypatch.setattr(route_module, "stored_as_probabilities", lambda tensor, op: False)  # codes of the logarithm
+    monkeypatch.setattr(guard_module, "stored_as_probabilities", lambda tensor, op: False)  # at the policy's 2 bits
+    broken = _classifier_grads(model, x, y)
     assert ((broken - reference).norm() / reference.norm()).item() > 2 * error  # 2.1 when measured
+
+
+class NllAndEntropy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(16, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logp = F.log_softmax(self.head(x) * 30, -1)
+        return F.nll_loss(logp, torch.zeros(len(x), dtype=torch.long)) + (logp * logp.exp()).sum()
+
+
+def test_log_probabilities_shared_only_with_ops_that_read_them_through_exp():
+    """An op that reads the values (the entropy's ``logp * p``) gets its own record: a probability coded
+    to 0 decodes to log 0 = -inf, which it must not see."""
+    torch.manual_seed(0)
+    model, x = NllAndEntropy(), torch.randn(64, 16)
+    reference = _grads(model, x)
+    daf.wrap(model, bits=2, min_numel=1)
+    got = _grads(model, x)
+    assert torch.isfinite(got).all() and torch.isfinite(reference).all()
+    rows = [(r.kind, r.bits) for r in _log_softmax_rows(model)]
+    # log_softmax's probabilities at 4 (nll_loss shares them), then mul's own codes at the policy's 2
+    assert rows == [("compressed", PROBABILITY_BITS), ("shared", None), ("compressed", 2)]
 
 
 class EagerAttention(torch.nn.Module):
@@ -140,7 +180,7 @@ def test_the_probability_floor_cuts_the_gradient_error(monkeypatch):
     reference = _grads(model, x)
     daf.wrap(model, bits=2)
     floor = _grads(model, x)
-    monkeypatch.setattr(session_module, "PROBABILITY_BITS", 2)
+    monkeypatch.setattr(guard_module, "PROBABILITY_BITS", 2)
     without = _grads(model, x)
     error = lambda g: ((g - reference).norm() / reference.norm()).item()  # noqa: E731
     assert error(floor) < 0.5 * error(without)

@@ -185,9 +185,13 @@ class ChannelCodec:
         fraction = self.config.fraction
         return 0 if fraction == 0 else max(1, min(channels - 1, math.ceil(round(fraction * channels, 6))))
 
+    def readers(self, x: torch.Tensor, spec: Spec) -> frozenset[str] | None:
+        """The ops that may share what ``encode(x, spec)`` stores: derivative codes decode to inputs with
+        the coded derivative, not to ``x``, so only the op they were made for; anything else: any op."""
+        return frozenset({spec.consumer}) if self.consumer_only(x, spec) else None
+
     def consumer_only(self, x: torch.Tensor, spec: Spec) -> bool:
-        """Whether what ``encode(x, spec)`` stores is for ``spec.consumer``'s backward only: derivative
-        codes decode to inputs with the coded derivative, not to ``x``, so no other op may share them."""
+        """Whether ``encode(x, spec)`` stores derivative codes, for ``spec.consumer``'s backward only."""
         return self.config.derivatives and self.derivative.takes(x, spec)
 
     def encode(self, x: torch.Tensor, spec: Spec) -> Packed:

@@ -1,7 +1,8 @@
 """Every stored form of one session behind one object: encoders by name, decoders by packed type.
 
 Names are what the router's ``Encoding.codec`` says: ``"codes"`` (the configured codes codec,
-MinMax, DIVISION or Outliers), ``"mask"`` (two-valued tensors, exact), ``"relu_mask"`` (ReLU's own save).
+MinMax, DIVISION or Outliers), ``"logprobs"`` (log_softmax's output, as codes of its probabilities),
+``"mask"`` (two-valued tensors, exact), ``"relu_mask"`` (ReLU's own save).
 Which codes codec a ``Config.codec`` means is a function registered for its type
 (``register_codes_codec``), as torchao registers a handler per config type.
 """
@@ -17,6 +18,7 @@ from daf.codec.backends import Backend, select_backend
 from daf.codec.channel import ChannelCodec, ChannelPacked
 from daf.codec.derivative import DerivativePacked
 from daf.codec.division import DivisionCodec, DivisionPacked
+from daf.codec.logprob import LogProbCodec, LogProbPacked
 from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec, ReluMaskPacked
 from daf.codec.minmax import MinMaxCodec
 from daf.codec.minmax import decode as decode_codes
@@ -78,10 +80,12 @@ class Codecs:
         self._config = config
         self.backend = backend if backend is not None else select_backend(config.backend)
         self.codes = codes_codec(config, self.backend)
-        self._by_name: dict[str, Codec] = {"codes": self.codes, "mask": MaskCodec(), "relu_mask": ReluMaskCodec()}
-        # most derived first: DivisionPacked, ChannelPacked, DerivativePacked and MaskPacked are also Packed
+        logprobs = LogProbCodec(self.backend, config.group_size, config.rounding)
+        self._by_name: dict[str, Codec] = {"codes": self.codes, "logprobs": logprobs, "mask": MaskCodec(),
+                                           "relu_mask": ReluMaskCodec()}
+        # most derived first: DivisionPacked, ChannelPacked, DerivativePacked, LogProbPacked and MaskPacked are also Packed
         self._decoders: list[tuple[type, Codec]] = [(ReluMaskPacked, self._by_name["relu_mask"]),
-                                                    (MaskPacked, self._by_name["mask"]),
+                                                    (MaskPacked, self._by_name["mask"]), (LogProbPacked, logprobs),
                                                     (DivisionPacked, self.codes), (ChannelPacked, self.codes),
                                                     (DerivativePacked, self.codes), (Packed, self.codes)]
 
@@ -101,11 +105,11 @@ class Codecs:
     def encode(self, name: str, x: torch.Tensor, spec: Spec) -> Packed:
         return self._by_name[name].encode(x, spec)
 
-    def consumer_only(self, name: str, x: torch.Tensor, spec: Spec) -> bool:
-        """Whether the record ``encode(name, x, spec)`` makes may be read by ``spec.consumer`` only (a
-        codec says so with a ``consumer_only(x, spec)`` method): the session then shares it with no other save."""
-        check = getattr(self._by_name[name], "consumer_only", None)
-        return bool(check is not None and check(x, spec))
+    def readers(self, name: str, x: torch.Tensor, spec: Spec) -> frozenset[str] | None:
+        """The ops that may share the record ``encode(name, x, spec)`` makes, when its decoded tensor is
+        not ``x`` for every reader (a codec says so with a ``readers(x, spec)`` method); None: any op."""
+        check = getattr(self._by_name[name], "readers", None)
+        return None if check is None else check(x, spec)
 
     def decode(self, packed: Packed, channels_last: bool = False) -> torch.Tensor:
         """The tensor of ``packed``; with ``channels_last``, a 4-D one comes back in that layout (format-1
@@ -129,4 +133,6 @@ class Codecs:
         return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
+        if isinstance(packed, LogProbPacked):
+            return self._by_name["logprobs"].reencode(packed, bits, seed)
         return self.codes.reencode(packed, bits, seed)

@@ -1,5 +1,5 @@
 """Rules that hold under every bit policy: what backward exponentiates keeps 8 bits at least, and
-softmax probabilities keep 4.
+probabilities (softmax's output, log_softmax's stored as probabilities) keep 4.
 
 Fused attention (flash / memory-efficient kernels) saves query, key, value, its output and the
 exact logsumexp of the logits; backward recomputes softmax as exp(q k^T * scale - logsumexp) and
@@ -11,7 +11,9 @@ gives gradients at cosine 0.985 to fp32, against NaN with 2 bits here (tests/run
 The math path (used with dropout) saves its own intermediates and is left to the policy.
 
 ``log_softmax``'s output (``cross_entropy`` saves it) is the other case: its backward is
-``grad - exp(output) * sum(grad)``; at 2 bits SmolLM2's gradient was off by 1300x its norm.
+``grad - exp(output) * sum(grad)``; codes of it at 2 bits put SmolLM2's gradient 1300x off its norm.
+So it is stored as codes of its probabilities (``daf.codec.logprob``), whose error backward sees as
+an absolute one, and keeps ``PROBABILITY_BITS`` like softmax's output.
 
 Softmax's own output (eager attention's probabilities, and the math path's when dropout is on) keeps
 ``PROBABILITY_BITS`` (4): of every kind of save in pretrained MiniLM + LoRA, its 2-bit codes cost the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from daf.codec.logprob import is_log_probabilities, stored_as_probabilities
 from daf.policy.uniform import Policy
 from daf.tracing import OpCall
 
@@ -37,22 +40,25 @@ _SOFTMAX_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 
 def backward_exponentiates(call: OpCall | None, tensor: torch.Tensor) -> bool:
     """Whether backward feeds ``tensor`` (or what it recomputes from it) to exp(), where a coarse code's
-    additive error becomes a multiplicative one: fused attention's saves and log_softmax's output."""
-    if tensor.grad_fn is not None and type(tensor.grad_fn).__name__ == "LogSoftmaxBackward0":
-        return True
-    return call is not None and call.is_fused_attention_save(tensor)
+    additive error becomes a multiplicative one: fused attention's saves, and log_softmax's output saved
+    where DAF does not know the op (else it is coded as its probabilities: ``is_probability_map``)."""
+    if call is None:  # log_softmax's output saved by an op DAF did not see: coded as it is, at 8 bits
+        return is_log_probabilities(tensor)
+    return call.is_fused_attention_save(tensor)
 
 
-def is_probability_map(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is softmax's output (log_softmax's is ``backward_exponentiates``)."""
-    return tensor.grad_fn is not None and type(tensor.grad_fn).__name__ in _SOFTMAX_NODES
+def is_probability_map(tensor: torch.Tensor, call: OpCall | None = None) -> bool:
+    """Whether ``tensor`` is softmax's output, or log_softmax's saved by ``call`` and stored as its
+    probabilities (``daf.codec.logprob.stored_as_probabilities``)."""
+    return (tensor.grad_fn is not None and type(tensor.grad_fn).__name__ in _SOFTMAX_NODES) \
+        or stored_as_probabilities(tensor, call)
 
 
 def floor_bits(x: torch.Tensor, op: OpCall | None = None) -> int:
     """The fewest bits these rules allow for ``x`` (1: no rule applies)."""
     if backward_exponentiates(op, x):
         return SOFTMAX_RECOMPUTE_BITS
-    return PROBABILITY_BITS if is_probability_map(x) else 1
+    return PROBABILITY_BITS if is_probability_map(x, op) else 1
 
 
 def guarded_bits(policy: Policy, site: str, x: torch.Tensor, op: OpCall | None = None) -> int:

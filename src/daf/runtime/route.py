@@ -20,7 +20,8 @@ In order (the first that holds decides):
 5. two values only (dropout masks): an exact mask;
 6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
    its nonzeros (``nonzeros``);
-7. codes at the bits the policy gives; 0 bits keeps it raw.
+7. codes at the bits the policy gives (log_softmax's output, saved by an op that reads it through
+   exp, as codes of its probabilities: ``daf.codec.logprob``); 0 bits keeps it raw.
 
 Other tensors without autograd history (input data, statistics such as attention's logsumexp,
 values computed under no_grad) stay raw: backward may feed them to exp(), which turns a
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from daf.codec.logprob import stored_as_probabilities
 from daf.codec.mask import MASK_DTYPES, two_values
 from daf.codec.nonzeros import nonzeros_of
 from daf.format import FLOAT_DTYPES
@@ -132,7 +134,7 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
         return KEPT_BY_POLICY
     if nonzeros is not None:
         return Encoding(Kind.NONZEROS, bits, "codes", data=nonzeros)
-    return Encoding(Kind.CODES, bits, "codes")
+    return Encoding(Kind.CODES, bits, "logprobs" if stored_as_probabilities(tensor, context.op) else "codes")
 
 
 def _mask_or(tensor: torch.Tensor, context: Context, otherwise: Encoding | None) -> Encoding | None:

@@ -45,13 +45,14 @@ class _Saved:
     """
 
     __slots__ = ("store", "ref", "site", "pending", "mask", "source", "row", "exact", "numel", "channels_last",
-                 "__weakref__")
+                 "readers", "__weakref__")
 
     def __init__(self, store: Store, ref: int | None, site: str, source: "_Source",
                  pending: tuple[Future, float] | None = None, mask: "_Saved | None" = None) -> None:
         self.store, self.ref, self.site, self.pending, self.mask = store, ref, site, pending, mask
         self.source, self.row, self.exact, self.numel = source, -1, False, 0
         self.channels_last = False  # restored in channels-last layout (daf.runtime.layout)
+        self.readers: frozenset[str] | None = None  # the ops that may share it (None: any); Codecs.readers
 
     def __del__(self) -> None:
         if self.ref is None:
@@ -203,10 +204,17 @@ class Session:
         input_made_here = bool(arguments) and (self.sites.made_in_forward(tensor) or made_in_call(tensor, arguments))
         return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
                        input_made_here=input_made_here, product_of=self._product_of(tensor),
-                       shared=self._shared.get(tensor), relu_mask=self._relu_masks.get(tensor),
+                       shared=self._shareable(tensor, op), relu_mask=self._relu_masks.get(tensor),
                        masks=self.config.masks,
                        min_numel=self.config.min_numel, nonzeros_only=self.policy.codes_nonzeros_only,
                        bits_for=self._bits_for)
+
+    def _shareable(self, tensor: torch.Tensor, op: OpCall | None) -> "_Saved | None":
+        """The record of an earlier save of ``tensor`` in this forward, if ``op`` may read it."""
+        saved = self._shared.get(tensor)
+        if saved is not None and saved.readers is not None and (op is None or op.name not in saved.readers):
+            return None
+        return saved
 
     def _product_of(self, tensor: torch.Tensor) -> tuple["_Saved", "_Saved"] | None:
         """The records (x, mask) when ``tensor`` is x times an exact mask and both are stored in this forward."""
@@ -215,6 +223,8 @@ class Session:
             return None
         entry = self._outputs.get((id(product.node), product.output_nr))
         if entry is None or entry[0] is not product.node:  # x is not stored: no need to look for the mask
+            return None
+        if entry[1].readers is not None:  # x's record does not decode to x for everyone
             return None
         mask = self._record_behind(product.multiply, product.mask_attribute)
         if not isinstance(mask, _Saved) or not mask.exact:
@@ -259,7 +269,8 @@ class Session:
             self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
-        elif not self.codecs.consumer_only(encoding.codec, data, spec):  # GELU's derivative codes are GELU's only
+        else:  # derivative codes are GELU's only; log-probabilities are -inf where a probability codes to 0
+            saved.readers = self.codecs.readers(encoding.codec, data, spec)
             self._shared.put(tensor, saved)
         if codes:
             self.policy.watch(site, data, encoding.bits, tensor.numel() if mask is not None else None)
