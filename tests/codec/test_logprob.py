@@ -33,8 +33,10 @@ def test_decoded_probabilities_are_within_one_step(rows, classes, sharpness, bit
     assert back.shape == y.shape and back.dtype == y.dtype
     assert [s for s, n in zip(back.stride(), back.shape) if n > 1] == [s for s, n in zip(y.stride(), y.shape) if n > 1]
     p, q = y.float().exp(), back.float().exp()
-    # per group of probabilities the step is at most (max - 0) / (2**b - 1), bfloat16 rounding aside
-    assert (q - p).abs().max() <= 1.02 / (2**bits - 1) + 1e-6
+    # a group's step is at most (max - 0) / (2**b - 1), rounded up to bfloat16 (under 1% more); a bfloat16
+    # logarithm adds its own rounding, 2**-9 relative: p * |log p| * 2**-9 <= 2**-9 / e
+    own_rounding = 2**-9 / 2.718 if dtype == torch.bfloat16 else 1e-6
+    assert (q - p).abs().max() <= 1.01 / (2**bits - 1) + own_rounding
     assert packed.nbytes == -(-y.numel() // group) * (4 + group * bits // 8)  # no side table
 
 
@@ -94,7 +96,7 @@ def test_reencode_keeps_the_form_at_fewer_bits():
     codec = LogProbCodec(REFERENCE, 256)
     fewer = codec.reencode(codec.encode(y, Spec(4, 1)), 2, 2)
     assert isinstance(fewer, LogProbPacked) and fewer.bits == 2 and fewer.log_dtype == torch.float32
-    assert (codec.decode(fewer).exp() - y.exp()).abs().max() <= 1.02 / 3
+    assert (codec.decode(fewer).exp() - y.exp()).abs().max() <= 1.01 / 3
 
 
 def _context(op: OpCall | None) -> Context:

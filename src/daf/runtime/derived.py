@@ -1,5 +1,6 @@
 """Saves that DAF derives instead of storing: autocast's cast of a parameter, recast in backward; a
-product of a stored tensor and a stored exact mask (dropout's output), remultiplied in backward.
+product of a stored tensor and a stored exact mask (dropout's output), remultiplied in backward; an
+activation's output whose input is stored (a gated MLP's ``silu(gate)``), recomputed in backward.
 
 Under ``torch.autocast`` a matmul or convolution saves the bf16 (or fp16) copy of its weight, often
 through a transpose. Autograd keeps the fp32 parameter alive anyway (its ``AccumulateGrad`` node holds
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Derived", "DerivedProduct"]
+__all__ = ["Derived", "DerivedProduct", "DerivedActivation"]
 
 
 class _VersionCheck(Protocol):
@@ -84,3 +85,22 @@ class DerivedProduct:
         self.source.check(self.site)
         product = self.unpack_record(self.x) * self.unpack_record(self.mask)
         return product.to(self.dtype).reshape(self.shape)
+
+
+class DerivedActivation:
+    """``function(x)`` saved at ``site``, where ``x`` is a record of this session (SiLU's or GELU's input,
+    which the activation saved first). Nothing is stored; backward gets ``function(decoded x)``, whose
+    error is ``x``'s codes' error through the activation (|f'| <= 1.13), in place of a second set of
+    codes of its own. The record stays alive with it."""
+
+    __slots__ = ("x", "function", "shape", "dtype", "site", "source", "unpack_record")
+
+    def __init__(self, tensor: torch.Tensor, x: Any, function: Callable[[torch.Tensor], torch.Tensor], site: str,
+                 source: _VersionCheck, unpack_record: Callable[[Any], torch.Tensor]) -> None:
+        self.x, self.function, self.shape, self.dtype = x, function, tuple(tensor.shape), tensor.dtype
+        self.site, self.source, self.unpack_record = site, source, unpack_record
+
+    def unpack(self) -> torch.Tensor:
+        self.source.check(self.site)
+        with torch.no_grad():
+            return self.function(self.unpack_record(self.x)).to(self.dtype)

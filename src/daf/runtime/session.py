@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -21,11 +22,11 @@ from daf.policy.exponent_guard import guarded_bits
 from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
-from daf.runtime.derived import Derived, DerivedProduct
+from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
 from daf.runtime.layout import reads_any_layout, restores_channels_last
 from daf.runtime.route import Context, Encoding, Kind, route
-from daf.tracing import (OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call, masked_product_of,
-                         parameter_storages)
+from daf.tracing import (OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of, is_parameter, made_in_call,
+                         masked_product_of, parameter_storages)
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -193,6 +194,9 @@ class Session:
             return context.shared, 0
         if encoding.kind is Kind.DERIVED and isinstance(encoding.data, torch.Tensor):
             return Derived(tensor, encoding.data, context.site, _Source(tensor)), 0
+        if encoding.kind is Kind.DERIVED and encoding.data is context.activation_of:
+            x, function = encoding.data
+            return DerivedActivation(tensor, x, function, context.site, _Source(tensor), self.unpack), 0
         if encoding.kind is Kind.DERIVED:
             x, mask = encoding.data
             return DerivedProduct(tensor, x, mask, context.site, _Source(tensor), self.unpack), 0
@@ -204,6 +208,7 @@ class Session:
         input_made_here = bool(arguments) and (self.sites.made_in_forward(tensor) or made_in_call(tensor, arguments))
         return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
                        input_made_here=input_made_here, product_of=self._product_of(tensor),
+                       activation_of=self._activation_of(tensor),
                        shared=self._shareable(tensor, op), relu_mask=self._relu_masks.get(tensor),
                        masks=self.config.masks,
                        min_numel=self.config.min_numel, nonzeros_only=self.policy.codes_nonzeros_only,
@@ -232,6 +237,17 @@ class Session:
         if mask.numel != tensor.numel():  # a broadcast mask: the product has elements of its own
             return None
         return entry[1], mask
+
+    def _activation_of(self, tensor: torch.Tensor) -> tuple["_Saved", Callable[[torch.Tensor], torch.Tensor]] | None:
+        """(x's record, f) when ``tensor`` is f(x) for SiLU or GELU and x is stored in this forward, in a
+        record that decodes to x for any op (not derivative codes)."""
+        found = activation_output_of(tensor)
+        if found is None:
+            return None
+        entry = self._outputs.get((id(found.node), found.output_nr))
+        if entry is None or entry[0] is not found.node or entry[1].readers is not None:
+            return None
+        return entry[1], found.function
 
     def _record_behind(self, node: Any, attribute: str) -> Any:
         """What this session's pack hook returned for the tensor that ``node`` saved as ``attribute``:
@@ -293,7 +309,7 @@ class Session:
         if captured is not None and captured[0] == threading.get_ident():  # _record_behind: which record, no decode
             captured[1].append(saved)
             return torch.empty(0)
-        if isinstance(saved, (_Kept, Derived, DerivedProduct)):
+        if isinstance(saved, (_Kept, Derived, DerivedProduct, DerivedActivation)):
             return saved.unpack()
         saved.source.check(saved.site)
         recent = self._recent

@@ -1,4 +1,5 @@
-"""Saved tensors that are another tensor times a mask, as dropout makes them on a CPU.
+"""Saved tensors that are a function of another saved tensor: another tensor times a mask, as dropout
+makes them on a CPU; an activation's output (SiLU, GELU) whose input the activation itself saved.
 
 ``F.dropout`` on a CPU computes ``x * noise`` (``noise``: no autograd history, two values, 0 and
 ``1 / (1 - p)``); the multiply saves ``noise`` and the next op (attention's ``p @ v``, a linear)
@@ -6,17 +7,25 @@ saves the product. When ``x`` is itself saved (attention's probabilities, saved 
 the product holds nothing that ``x`` and the mask do not: the session derives it from their records
 instead of storing a third copy (``daf.runtime.derived.DerivedProduct``).
 
+A gated MLP (Llama, SmolLM2, Mistral: ``silu(gate) * up``) saves ``gate`` (for SiLU's backward) and
+``silu(gate)`` (for the multiply's); a full fine-tune's MLP saves GELU's input and, for the next
+linear, its output. The output holds nothing the input's record does not: the session remakes it as
+``silu(decoded gate)`` in backward (``daf.runtime.derived.DerivedActivation``) instead of storing it.
+
 This module only reads the autograd graph: which node multiplied, which of its inputs had history.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["MaskedProduct", "masked_product_of"]
+__all__ = ["MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of"]
 
 # Nodes whose output holds its input's elements in the same row-major order (an expand to the same
 # number of elements is the identity): the product can be remade as ``(x * mask).reshape(shape)``.
@@ -53,3 +62,28 @@ def masked_product_of(tensor: torch.Tensor) -> MaskedProduct | None:
     if left is None and right is not None:
         return MaskedProduct(right, right_nr, node, "_saved_self")
     return None
+
+
+@dataclass(frozen=True)
+class ActivationOutput:
+    """``tensor == function(x)``: ``x`` is output ``output_nr`` of autograd node ``node`` (the activation's
+    input, which its own node saved)."""
+
+    node: Any
+    output_nr: int
+    function: Callable[[torch.Tensor], torch.Tensor]
+
+
+def activation_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
+    """Whether ``tensor`` is the output of SiLU or GELU (either approximation) applied to a tensor with
+    history, and the function that remakes it from that input."""
+    node = tensor.grad_fn
+    name = type(node).__name__ if node is not None else None
+    if name == "SiluBackward0":
+        function = F.silu
+    elif name == "GeluBackward0":
+        function = functools.partial(F.gelu, approximate=node._saved_approximate)
+    else:
+        return None
+    source, output_nr = node.next_functions[0]
+    return None if source is None else ActivationOutput(source, output_nr, function)
