@@ -54,5 +54,9 @@ CONFIGS: dict[str, daf.Config] = {
     "outliers-adaptive-2.0": daf.Config(policy=_ADAPTIVE, codec=Outliers()),
     "outliers-derivatives-adaptive-2.0": daf.Config(policy=_ADAPTIVE, codec=Outliers(derivatives=True)),
     "outliers-4": daf.Config(bits=4, codec=Outliers()),
+    "outliers-adaptive-4.0": daf.Config(policy=daf.Adaptive(average=4.0), codec=Outliers()),
+    "outliers-adaptive-3.0": daf.Config(policy=daf.Adaptive(average=3.0), codec=Outliers()),
+    "outliers-adaptive-3.5": daf.Config(policy=daf.Adaptive(average=3.5), codec=Outliers()),
+    "outliers-adaptive-3.75": daf.Config(policy=daf.Adaptive(average=3.75), codec=Outliers()),
     "outliers-token-4": daf.Config(bits=4, codec=Outliers(axis="token")),
 }
