@@ -48,7 +48,13 @@ def test_children_called_directly_are_compressed_as_one_forward():
         model.decoder(model.encoder(_x())).square().mean().backward()
         parts = daf.report(model)
         assert [r.site for r in parts.rows] == [r.site for r in whole.rows]
-        assert parts.stored_bytes == whole.stored_bytes and parts.ratio > 4
+        assert parts.ratio > 4
+        # the decoder's save of the encoder's GELU output: derived from GELU's input in one forward,
+        # stored in its own part (docs/integrations.md); every other row is the same
+        crossing = [(w.kind, p.kind) for w, p in zip(whole.rows, parts.rows) if w.kind != p.kind]
+        assert crossing == [("derived", "compressed")]
+        same = [(w.stored_bytes, p.stored_bytes) for w, p in zip(whole.rows, parts.rows) if w.kind == p.kind]
+        assert all(a == b for a, b in same)
     assert daf.session_of(model).forwards == 3  # one forward per step, however many parts
 
 
