@@ -2,7 +2,10 @@
 process's peak so far (``VmHWM``). Shows when a process settles (how many steps a memory probe needs) and
 what a change does to the steady state rather than to the first steps.
 
-python benchmarks/rss_by_step.py [--workload resnet18-fmnist] [--batch 512] [--steps 6] [--fp32] [--json FILE]
+python benchmarks/rss_by_step.py [--workload resnet18-fmnist] [--batch 512] [--steps 6] [--fp32] [--release] [--json FILE]
+
+``--release``: ``daf.allocator.native.release_free_memory()`` after every step (the experiment of
+docs/paging.md: does giving the allocators' free memory back between steps lower the peak?).
 
 Run it as the process you want to know about: the allocator is the one DAF installs in-process
 (``Config.allocator="auto"``), or the one preloaded (``daf run -- python benchmarks/rss_by_step.py ...``).
@@ -39,6 +42,8 @@ def measure(workload_name: str, batch: int, steps: int, fp32: bool) -> list[dict
         loss.backward()
         optimizer.step()
         del loss
+        if release:
+            release_free_memory()
         rows.append({"start": start / _MIB, "after_forward": forward / _MIB, "end": rss_bytes() / _MIB,
                      "peak_so_far": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     return rows
@@ -50,15 +55,17 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--fp32", action="store_true", help="plain PyTorch instead of DAF 2-bit")
+    parser.add_argument("--release", action="store_true", help="release the allocators' free memory after every step")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
-    rows = measure(args.workload, args.batch, args.steps, args.fp32)
+    rows = measure(args.workload, args.batch, args.steps, args.fp32, args.release)
     print(f"{args.workload}, batch {args.batch}, {'fp32' if args.fp32 else 'DAF 2-bit'}: RSS in MiB")
     print(f"{'step':>4} {'start':>8} {'forward':>8} {'end':>8} {'peak':>8}")
     for i, row in enumerate(rows):
         print(f"{i:>4} {row['start']:8.0f} {row['after_forward']:8.0f} {row['end']:8.0f} {row['peak_so_far']:8.0f}")
     if args.json:
-        result: dict[str, Any] = {"workload": args.workload, "batch": args.batch, "fp32": args.fp32, "rows": rows,
+        result: dict[str, Any] = {"workload": args.workload, "batch": args.batch, "fp32": args.fp32,
+                                  "release": args.release, "rows": rows,
                                   "argv": sys.argv}
         with open(args.json, "w") as out:
             json.dump(result, out, indent=1)

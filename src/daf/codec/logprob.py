@@ -30,33 +30,17 @@ import torch
 
 from daf.codec.backends import Backend
 from daf.codec.spec import Spec
-from daf.format import FLOAT_DTYPES, Packed, flatten_memory_order, restore_memory_order
-from daf.tracing import OpCall
+from daf.format import Packed, flatten_memory_order, restore_memory_order
+from daf.tracing.log_probabilities import READERS, is_log_probabilities, stored_as_probabilities
 
 __all__ = ["LogProbCodec", "LogProbPacked", "is_log_probabilities", "stored_as_probabilities", "READERS",
            "SLICE_ELEMENTS"]
 
-# Ops whose backward reads saved log-probabilities through exp() (log_softmax, cross_entropy) or
-# only for their shape (nll_loss): they may share the record, -inf and all.
-READERS = frozenset({"log_softmax", "cross_entropy", "nll_loss"})
 SLICE_ELEMENTS = 1 << 20
 # Probabilities below this are coded as 0: a group of them all would otherwise be a "tiny" group of
 # the format, every element stored exactly; the error, under 2**-100, is far below the codes' own.
 _NEGLIGIBLE = 2.0**-100
 _GOLDEN = 0x9E3779B9
-
-
-def is_log_probabilities(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is ``log_softmax``'s output (a floating-point one with its autograd node)."""
-    return (tensor.grad_fn is not None and type(tensor.grad_fn).__name__ == "LogSoftmaxBackward0"
-            and tensor.dtype in FLOAT_DTYPES)
-
-
-def stored_as_probabilities(tensor: torch.Tensor, op: OpCall | None) -> bool:
-    """Whether this save of ``tensor`` is stored as codes of its probabilities: log_softmax's output
-    saved by one of ``READERS``. Saved by another op, it is coded as it is (that op may read the
-    values); by an op DAF did not see, too (``daf.policy.exponent_guard`` then keeps 8 bits)."""
-    return op is not None and op.name in READERS and is_log_probabilities(tensor)
 
 
 @dataclass

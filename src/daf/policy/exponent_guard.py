@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from daf.codec.logprob import is_log_probabilities, stored_as_probabilities
 from daf.policy.uniform import Policy
-from daf.tracing import OpCall
+from daf.tracing import OpCall, is_log_probabilities, stored_as_probabilities
 
 __all__ = ["guarded_bits", "floor_bits", "SOFTMAX_RECOMPUTE_BITS", "PROBABILITY_BITS", "backward_exponentiates",
            "is_probability_map"]

@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from daf.codec.logprob import stored_as_probabilities
 from daf.codec.mask import MASK_DTYPES, two_values
 from daf.codec.nonzeros import nonzeros_of
 from daf.format import FLOAT_DTYPES
-from daf.tracing import OpCall, cast_of_parameter, frozen_parameter_of_cast, parameter_of_cast
+from daf.tracing import (OpCall, cast_of_parameter, frozen_parameter_of_cast, parameter_of_cast,
+                         stored_as_probabilities)
 
 __all__ = ["Kind", "Encoding", "Context", "route"]
 
