@@ -22,9 +22,10 @@ from typing import Any
 _MIB = 1 << 20
 
 
-def measure(workload_name: str, batch: int, steps: int, fp32: bool) -> list[dict[str, float]]:
+def measure(workload_name: str, batch: int, steps: int, fp32: bool, release: bool = False) -> list[dict[str, float]]:
     """One row per step: MiB of RSS at start, after forward, at the end, and the peak so far."""
     import daf
+    from daf.allocator.native import release_free_memory
     from daf.workloads import get_workload
     from daf.workloads.measure import rss_bytes
 
