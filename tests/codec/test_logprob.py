@@ -10,9 +10,9 @@ import daf
 from daf.codec import Spec
 from daf.codec import logprob as logprob_module
 from daf.codec.backends import REFERENCE, select_backend
-from daf.codec.logprob import READERS, LogProbCodec, LogProbPacked, stored_as_probabilities
+from daf.codec.logprob import LogProbCodec, LogProbPacked
 from daf.runtime import Context, Kind, route
-from daf.tracing import OpCall
+from daf.tracing import READERS, OpCall, stored_as_probabilities
 
 
 def _log_probs(rows: int, classes: int, sharpness: float = 10.0, dtype=torch.float32) -> torch.Tensor:

@@ -7,14 +7,16 @@ SmolLM2's gradient 1300x off its norm), so those codes needed 8 bits. Codes of `
 the error where backward uses it, as an absolute error on ``p`` (unbiased under stochastic
 rounding), and decoding ``log(p')`` gives backward ``exp(log(p')) = p'``. On SmolLM2's first batch
 (49152 classes, 504 tokens), relative error of the gradient that reaches the last hidden state:
-log-probabilities at 8 bits 0.0042, probabilities at 4 bits 0.033, at 2 bits 0.11 (docs/transformers.md).
+log-probabilities at 8 bits 0.021, probabilities at 4 bits 0.033, at 2 bits 0.10
+(``benchmarks/log_probabilities.py``, docs/transformers.md).
 So probabilities keep ``PROBABILITY_BITS`` (4), like softmax's (``daf.policy.exponent_guard``),
 for half the bytes of the 8-bit log codes.
 
 A coded probability may be 0, whose logarithm is ``-inf``: harmless to ``exp`` but not to an op that
 reads the values themselves (``logp * p``). So only a save by an op whose backward reads the
 log-probabilities through ``exp`` or not at all (``READERS``) is stored this way, and the record is
-shared with those ops only; another op saving the same tensor gets ordinary codes of its own.
+shared with those ops only (``daf.tracing.log_probabilities``); another op saving the same tensor gets
+ordinary codes of its own.
 
 Encoding goes through the tensor in slices of ``SLICE_ELEMENTS`` (whole groups), so that the
 probabilities of a large vocabulary never exist in full beside the logits and the log-probabilities
@@ -31,10 +33,9 @@ import torch
 from daf.codec.backends import Backend
 from daf.codec.spec import Spec
 from daf.format import Packed, flatten_memory_order, restore_memory_order
-from daf.tracing.log_probabilities import READERS, is_log_probabilities, stored_as_probabilities
+from daf.tracing.log_probabilities import READERS
 
-__all__ = ["LogProbCodec", "LogProbPacked", "is_log_probabilities", "stored_as_probabilities", "READERS",
-           "SLICE_ELEMENTS"]
+__all__ = ["LogProbCodec", "LogProbPacked", "SLICE_ELEMENTS"]
 
 SLICE_ELEMENTS = 1 << 20
 # Probabilities below this are coded as 0: a group of them all would otherwise be a "tiny" group of

@@ -133,6 +133,5 @@ class Codecs:
         return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
-        if isinstance(packed, LogProbPacked):
-            return self._by_name["logprobs"].reencode(packed, bits, seed)
-        return self.codes.reencode(packed, bits, seed)
+        """``packed`` at fewer ``bits`` (demotion), by the codec that decodes it."""
+        return self._decoder_of(packed).reencode(packed, bits, seed)

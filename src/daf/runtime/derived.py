@@ -93,11 +93,11 @@ class DerivedActivation:
     error is ``x``'s codes' error through the activation (|f'| <= 1.13), in place of a second set of
     codes of its own. The record stays alive with it."""
 
-    __slots__ = ("x", "function", "shape", "dtype", "site", "source", "unpack_record")
+    __slots__ = ("x", "function", "dtype", "site", "source", "unpack_record")
 
     def __init__(self, tensor: torch.Tensor, x: Any, function: Callable[[torch.Tensor], torch.Tensor], site: str,
                  source: _VersionCheck, unpack_record: Callable[[Any], torch.Tensor]) -> None:
-        self.x, self.function, self.shape, self.dtype = x, function, tuple(tensor.shape), tensor.dtype
+        self.x, self.function, self.dtype = x, function, tensor.dtype
         self.site, self.source, self.unpack_record = site, source, unpack_record
 
     def unpack(self) -> torch.Tensor:

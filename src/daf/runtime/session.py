@@ -226,28 +226,30 @@ class Session:
         product = masked_product_of(tensor) if self.config.masks else None
         if product is None:
             return None
-        entry = self._outputs.get((id(product.node), product.output_nr))
-        if entry is None or entry[0] is not product.node:  # x is not stored: no need to look for the mask
-            return None
-        if entry[1].readers is not None:  # x's record does not decode to x for everyone
+        x = self._record_of(product.node, product.output_nr)
+        if x is None:  # no need to look for the mask
             return None
         mask = self._record_behind(product.multiply, product.mask_attribute)
         if not isinstance(mask, _Saved) or not mask.exact:
             return None
         if mask.numel != tensor.numel():  # a broadcast mask: the product has elements of its own
             return None
-        return entry[1], mask
+        return x, mask
 
     def _activation_of(self, tensor: torch.Tensor) -> tuple["_Saved", Callable[[torch.Tensor], torch.Tensor]] | None:
         """(x's record, f) when ``tensor`` is f(x) for SiLU or GELU and x is stored in this forward, in a
         record that decodes to x for any op (not derivative codes)."""
         found = activation_output_of(tensor)
-        if found is None:
+        x = None if found is None else self._record_of(found.node, found.output_nr)
+        return None if x is None else (x, found.function)
+
+    def _record_of(self, node: Any, output_nr: int) -> "_Saved | None":
+        """The record stored in this forward of output ``output_nr`` of autograd node ``node``, if it
+        decodes to that tensor for every op (not derivative codes or log-probabilities)."""
+        entry = self._outputs.get((id(node), output_nr))
+        if entry is None or entry[0] is not node or entry[1].readers is not None:
             return None
-        entry = self._outputs.get((id(found.node), found.output_nr))
-        if entry is None or entry[0] is not found.node or entry[1].readers is not None:
-            return None
-        return entry[1], found.function
+        return entry[1]
 
     def _record_behind(self, node: Any, attribute: str) -> Any:
         """What this session's pack hook returned for the tensor that ``node`` saved as ``attribute``:
