@@ -8,7 +8,8 @@ passes: ||g - g_fp32|| / ||g_fp32|| over the LoRA
 matrices of each layer, and the classifier head's (MiniLM). Cosine over all trainable parameters (as
 ``transformer_archs.py --sites`` reports) hides this: the head's gradient dominates the norm.
 
-Methods: ``u<B>`` uniform B bits; ``all8``; ``<kind><B>`` that kind at B bits and the rest at 8;
+Methods: ``u<B>`` uniform B bits (``u<B>:<op>=<B>+...``: with ``Config.floors``, e.g.
+``u2:layer_norm=4+scaled_dot_product_attention=4``); ``all8``; ``<kind><B>`` that kind at B bits and the rest at 8;
 ``<kind><B>+<kind><B>...`` those kinds at those bits and the rest at 2 (kinds: ``site_kinds.KINDS``).
 Codec: ``--codec`` (the Outliers codec with GELU derivative codes by default, as MiniLM trains).
 
@@ -41,8 +42,10 @@ CODECS = {"minmax": daf.MinMax(), "outliers": Outliers(), "outliers-derivatives"
 
 def method_config(name: str, kinds: tuple, codec: object) -> daf.Config:
     """``u<B>``, ``all8``, ``<kind><B>`` (rest at 8) or ``<kind><B>+...`` (rest at 2) as a Config."""
-    if name.startswith("u") and name[1:].isdigit():
-        return daf.Config(bits=int(name[1:]), codec=codec)
+    uniform, _, floors = name.partition(":")
+    if uniform.startswith("u") and uniform[1:].isdigit():
+        pairs = [part.partition("=") for part in floors.split("+") if part]
+        return daf.Config(bits=int(uniform[1:]), codec=codec, floors={op: int(b) for op, _, b in pairs})
     if name == "all8":
         return daf.Config(policy=KindTable((), 8, kinds), codec=codec)
     parts = [re.fullmatch(r"([a-z]+)(\d)", part) for part in name.split("+")]

@@ -221,11 +221,16 @@ class Outliers:
         derivatives: store the input of GELU / SiLU as a 2-bit code of its derivative (Approx-BP), which
             is all their backward reads. Only where the policy gives that save 2 bits: at 4 or 8 bits the
             input's own codes are finer (measured, docs/transformers.md), so they are used there.
+        min_channels: saves with fewer channels (last dimension) use MinMax: the exact channel and the
+            token scales cost ``(32 + 32) / C`` bits per element in float32, 2 bits at C = 32 (an
+            attention head's q, k, v), where MinMax at 4 bits costs what this codec does at 2 and
+            gives a third of the LoRA gradient error (docs/transformers.md, section 1b). At least 16.
     """
 
     fraction: float = 0.01
     axis: str = "channel"
     derivatives: bool = False
+    min_channels: int = 128
 
     def __post_init__(self) -> None:
         _check_number("Outliers.fraction", self.fraction, 0, 0.5)
@@ -233,6 +238,7 @@ class Outliers:
         if self.axis not in _AXES:
             raise ValueError(f"Outliers.axis must be one of {_AXES}, got {self.axis!r}")
         _check_bool("Outliers.derivatives", self.derivatives)
+        _check_int("min_channels", self.min_channels, 16, None, owner="Outliers")
 
 
 # The config types each typed field of Config takes, by their serialized "kind". Filled at import:
@@ -373,6 +379,11 @@ class Config:
             allocator found, tcmalloc first), "system" (leave the process as it is), or "tcmalloc",
             "jemalloc", "mimalloc". Process-wide by nature; the system malloc keeps freed
             temporaries' memory, so without this the process barely shrinks (docs/allocator.md).
+        floors: the fewest bits for what named torch functions save, above whatever the policy gives:
+            ``{"layer_norm": 4, "scaled_dot_product_attention": 4}`` (names as ``torch.nn.functional``
+            spells them; the site's op in ``daf.report``). Kept as sorted ``(name, bits)`` pairs; a
+            policy's 0 (keep raw) stays raw. Where a LayerNorm's output is derived from its input
+            (a LoRA adapter reading it), ``layer_norm``'s floor sets the precision of both.
     """
 
     bits: int = 2
@@ -391,6 +402,7 @@ class Config:
     masks: bool = True
     channels_last: bool = True
     allocator: str = "auto"
+    floors: tuple[tuple[str, int], ...] = ()
     version: int = field(default=CONFIG_VERSION, repr=False)
 
     def __post_init__(self) -> None:
@@ -414,6 +426,7 @@ class Config:
         _check_bool("Config.masks", self.masks)
         _check_bool("Config.channels_last", self.channels_last)
         _check_choice("allocator", self.allocator, _ALLOCATORS)
+        object.__setattr__(self, "floors", _checked_floors(self.floors))
         if self.version != CONFIG_VERSION:
             raise ValueError(f"Config.version {self.version} is not supported; this DAF makes version "
                              f"{CONFIG_VERSION} (Config.from_dict reads version-1 dicts too)")
@@ -434,6 +447,10 @@ class Config:
                              f"policy=daf.Adaptive(...), whose average is Adaptive.average: write "
                              f"policy=daf.Adaptive(average={float(self.bits)!r}) and leave bits at {default}")
 
+    def floor_for(self, op_name: str | None) -> int:
+        """The fewest bits ``floors`` allows for a save of ``op_name`` (1 where none is named)."""
+        return next((bits for name, bits in self.floors if name == op_name), 1)
+
     def replace(self, **overrides: Any) -> "Config":
         """A validated copy with some fields changed; unknown names raise ``ValueError``."""
         _check_field_names(Config, overrides)
@@ -446,6 +463,7 @@ class Config:
         'adaptive'
         """
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["floors"] = dict(self.floors)
         for name in _KINDS:
             data[name] = _typed_to_dict(name, data[name])
         return data
@@ -467,6 +485,24 @@ class Config:
             if name in data:
                 data[name] = _typed_from_dict(name, data[name])
         return cls().replace(**data)
+
+
+def _checked_floors(value: Any) -> tuple[tuple[str, int], ...]:
+    """``floors`` as sorted (name, bits) pairs, from a mapping or pairs; one entry per name."""
+    allowed = (f"a mapping from torch function names to bits in {ALLOWED_BITS}, e.g. "
+               f"{{'layer_norm': 4}}")
+    try:
+        pairs = list(value.items()) if isinstance(value, Mapping) else [tuple(pair) for pair in value]
+    except TypeError:
+        raise ValueError(f"Config.floors must be {allowed}; got {value!r}") from None
+    names = [pair[0] if len(pair) == 2 else None for pair in pairs]
+    for pair, name in zip(pairs, names):
+        if len(pair) != 2 or not isinstance(name, str) or not name.strip() \
+                or isinstance(pair[1], bool) or pair[1] not in ALLOWED_BITS:
+            raise ValueError(f"Config.floors must be {allowed}; got {value!r} (entry {pair!r})")
+    if len(set(names)) != len(names):
+        raise ValueError(f"Config.floors names each function once; got {value!r}")
+    return tuple(sorted((name, int(bits)) for name, bits in pairs))
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None, owner: str = "Config") -> None:

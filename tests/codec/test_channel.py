@@ -8,9 +8,13 @@ from hypothesis import strategies as st
 import daf
 from daf.codec import ChannelPacked, Codecs, Spec, codes_codec
 from daf.codec.channel import join_channels, outlier_channels, split_channels
-from daf.config import Outliers
+from daf.config import Outliers as _Outliers
 from daf.format import payload_bytes
 from daf.memory.paged import PagedStore
+
+
+def Outliers(**kw):  # noqa: N802  the split itself at these tests' small widths (default: 128 channels)
+    return _Outliers(**{"min_channels": 16, **kw})
 
 
 def _codec(backend="reference", **kw):
@@ -147,12 +151,14 @@ def test_codecs_dispatch_and_paged_store(tmp_path):
 
 
 def test_config_validation_and_round_trip():
-    for bad in ({"fraction": 0.7}, {"fraction": -1}, {"axis": "row"}, {"derivatives": 1}):
+    for bad in ({"fraction": 0.7}, {"fraction": -1}, {"axis": "row"}, {"derivatives": 1}, {"min_channels": 8},
+                {"min_channels": 64.0}):
         with pytest.raises(ValueError, match="Outliers"):
             Outliers(**bad)
     config = daf.Config(codec=Outliers(fraction=0.02, axis="channel", derivatives=True))
     data = config.to_dict()
-    assert data["codec"] == {"kind": "outliers", "fraction": 0.02, "axis": "channel", "derivatives": True}
+    assert data["codec"] == {"kind": "outliers", "fraction": 0.02, "axis": "channel", "derivatives": True,
+                             "min_channels": 16}
     assert daf.Config.from_dict(data) == config
 
 
@@ -164,11 +170,13 @@ def test_training_step_with_an_outlier_channel():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.LayerNorm(128), torch.nn.Linear(128, 128), torch.nn.LayerNorm(128))
     x = _with_outliers((8, 64, 128), channels=(11,), scale=100.0).requires_grad_(True)
+    # not the sum of squares of a LayerNorm's output: that is constant, its true gradient 0 and the cosine noise
+    target = torch.randn(8, 64, 128)
 
     def grad(m):
         m.zero_grad()
         x.grad = None
-        (m(x * 1.0) ** 2).sum().backward()  # x * 1.0: an input with history, so that DAF stores it
+        (m(x * 1.0) * target).sum().backward()  # x * 1.0: an input with history, so that DAF stores it
         return torch.cat([x.grad.flatten()] + [p.grad.flatten() for p in m.parameters()])
 
     reference = grad(model)
@@ -177,3 +185,16 @@ def test_training_step_with_an_outlier_channel():
         with daf.compress(bits=2, codec=codec, backend="reference"):
             results[name] = cosine(reference, grad(model))
     assert results["outliers"] > results["minmax"] + 0.2
+
+
+def test_saves_with_fewer_channels_than_min_channels_use_minmax():
+    """An attention head's q, k, v [batch * heads, tokens, 32]: the exact channel and the token scales would
+    cost 2 bits per element, so the default (128 channels) codes them with MinMax; 128 channels are split."""
+    codec = codes_codec(daf.Config(codec=_Outliers(), backend="reference"))
+    narrow, wide = torch.randn(48, 64, 32), torch.randn(4, 64, 128)
+    assert type(codec.encode(narrow, Spec(2, seed=0))) is not ChannelPacked
+    assert isinstance(codec.encode(wide, Spec(2, seed=0)), ChannelPacked)
+    assert isinstance(codes_codec(daf.Config(codec=_Outliers(min_channels=32), backend="reference")).encode(
+        narrow, Spec(2, seed=0)), ChannelPacked)
+    minmax = codes_codec(daf.Config(backend="reference")).encode(narrow, Spec(2, seed=0))
+    assert codec.encode(narrow, Spec(2, seed=0)).nbytes == minmax.nbytes

@@ -29,7 +29,7 @@ from daf.config import ALLOWED_BITS, GENERIC_MODES, Adaptive, Config, Division, 
 
 __all__ = ["main", "entry", "build_parser"]
 
-_DAF_FLAGS = ("bits", "policy", "average", "generic", "codec", "budget", "group_size", "backend", "layout")
+_DAF_FLAGS = ("bits", "policy", "average", "generic", "codec", "budget", "group_size", "backend", "layout", "floors")
 # --layout: how convolutions', batch norms' and ReLUs' 4-D saves come back (Config.channels_last; docs/memory.md)
 _LAYOUTS = {"channels-last": True, "as-saved": False}
 # --codec NAME: the codes codec (docs/transformers.md for outliers; docs/policy.md for division)
@@ -57,6 +57,18 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
     return value
+
+
+def _floors(value: str) -> str:
+    """``--floors``: comma-separated OP=BITS, kept as the string (it is passed on to child runs as given)."""
+    pairs = [part.partition("=") for part in value.split(",")]
+    for op, equals, bits in pairs:
+        if not op.strip() or not equals or bits.strip() not in {str(b) for b in ALLOWED_BITS}:
+            raise argparse.ArgumentTypeError(f"{value!r}: write OP=BITS pairs separated by commas, OP a torch "
+                                             f"function name, BITS one of {ALLOWED_BITS} (e.g. layer_norm=4,linear=4)")
+    if len({op.strip() for op, _, _ in pairs}) != len(pairs):
+        raise argparse.ArgumentTypeError(f"{value!r}: name each function once")
+    return ",".join(f"{op.strip()}={bits.strip()}" for op, _, bits in pairs)
 
 
 def _width(text: str) -> int:
@@ -119,6 +131,9 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
                           help="codes codec: minmax (default), division (DIVISION for 4-D maps), outliers (outlier "
                                "channels exact, per-channel groups: transformers), outliers-derivatives (also "
                                "GELU/SiLU inputs as 2-bit derivative codes)")
+    compress.add_argument("--floors", type=_floors, metavar="OP=BITS,...",
+                          help="the fewest bits for what these torch functions save, above the policy's, e.g. "
+                               "layer_norm=4,scaled_dot_product_attention=4,linear=4 (daf.Config.floors)")
     compress.add_argument("--budget", help="memory budget of stored activations, e.g. 512MiB")
     compress.add_argument("--group-size", type=int, dest="group_size", help="elements per min/scale group (256)")
     compress.add_argument("--backend", help="auto, native or reference")
@@ -225,6 +240,9 @@ def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> di
         fields["policy"] = Adaptive(**{k: v for k, v in knobs.items() if v is not None})
     if "codec" in fields:
         fields["codec"] = _CODECS[fields["codec"]]()
+    if "floors" in fields:
+        fields["floors"] = dict(pair.split("=") for pair in fields["floors"].split(","))
+        fields["floors"] = {op: int(bits) for op, bits in fields["floors"].items()}
     if "layout" in fields:
         fields["channels_last"] = _LAYOUTS[fields.pop("layout")]
     return fields

@@ -89,7 +89,9 @@ def config_label(config: dict[str, Any]) -> str:
     codec_kind = codec.get("kind") if isinstance(codec, dict) else codec
     if codec_kind == "outliers" and isinstance(codec, dict) and codec.get("derivatives"):
         codec_kind = "outliers+derivatives"
-    return label if codec_kind in ("minmax", None) else f"{label} {codec_kind}"
+    label = label if codec_kind in ("minmax", None) else f"{label} {codec_kind}"
+    floors = config.get("floors")
+    return f"{label} floors {','.join(f'{op}={bits}' for op, bits in floors.items())}" if floors else label
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:

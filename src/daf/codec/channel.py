@@ -3,7 +3,7 @@
 A trained LM's hidden states have a few channels (dimensions) hundreds of times larger than the
 others; a group of 256 consecutive elements of a token then spans an outlier's range, and 2-bit
 codes round every other element of the group to its minimum. For a save ``x`` [..., C] (2-D or 3-D,
-``C >= 16``) seen as ``m`` [R, C] (R = rows = tokens)::
+``C >= Outliers.min_channels``, 128 by default) seen as ``m`` [R, C] (R = rows = tokens)::
 
     outliers = the k = ceil(fraction * C) channels of largest max |m|      int64 [k], ascending
     exact    = m[:, outliers]                                              x.dtype [R, k]
@@ -17,12 +17,12 @@ The codes are an ordinary format-1 ``Packed`` of that matrix (reference or nativ
 whatever the session's backend is), so the page pool stores and spills it like any record;
 ``exact``, ``outliers`` and ``s`` ride in the record's header (side bytes). Cost per element:
 ``bits + 32 / G`` for the codes plus ``k * dtype_bits / C`` (+ ``32 / C`` for ``s``); with 1% of 576
-channels in float32, 0.39 bit. Other saves (1-D; 4-D attention maps and NCHW feature maps; fewer than
-16 channels) use MinMax unchanged. Why per channel with token scales: docs/transformers.md, section 2.
+channels in float32, 0.39 bit. Other saves (1-D; 4-D attention maps and NCHW feature maps; fewer
+channels, where that side cost would reach a bit per element) use MinMax unchanged. Why per channel with token scales: docs/transformers.md, section 2.
 The packed form is format 1's ``Packed`` plus these fields: docs/format.md, "Outlier channels".
 
 >>> import daf
->>> codec = ChannelCodec(MinMaxCodec(daf.Config(backend="reference")), daf.config.Outliers(fraction=0.05))
+>>> codec = ChannelCodec(MinMaxCodec(daf.Config(backend="reference")), daf.config.Outliers(fraction=0.05, min_channels=16))
 >>> x = torch.randn(64, 40); x[:, 7] *= 100
 >>> p = codec.encode(x, Spec(2, seed=0))
 >>> 7 in p.outlier_index.tolist(), torch.equal(codec.decode(p)[:, 7], x[:, 7])
@@ -81,12 +81,13 @@ class ChannelPacked(Packed):
         return Packed(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Packed)})
 
 
-def applies(x: torch.Tensor, consumer: str | None = None) -> bool:
-    """Whether ``x`` is a save the codec splits: [tokens, channels] or [batch, tokens, channels]; 4-D only
-    when a LayerNorm or a Linear reads it (a channels-last map [N, H, W, C]), since the last dimension
-    of other 4-D saves (attention maps [B, heads, T, T], feature maps [N, C, H, W]) is no channel."""
+def applies(x: torch.Tensor, consumer: str | None = None, min_channels: int = MIN_CHANNELS) -> bool:
+    """Whether ``x`` is a save the codec splits: [tokens, channels] or [batch, tokens, channels] with at
+    least ``min_channels`` channels; 4-D only when a LayerNorm or a Linear reads it (a channels-last map
+    [N, H, W, C]), since the last dimension of other 4-D saves (attention maps [B, heads, T, T], feature
+    maps [N, C, H, W]) is no channel."""
     dims = (2, 3, 4) if consumer in CHANNELS_LAST_CONSUMERS else (2, 3)
-    return x.dim() in dims and x.shape[-1] >= MIN_CHANNELS and x.numel() // x.shape[-1] >= 2
+    return x.dim() in dims and x.shape[-1] >= max(min_channels, MIN_CHANNELS) and x.numel() // x.shape[-1] >= 2
 
 
 def outlier_channels(m: torch.Tensor, count: int) -> torch.Tensor:
@@ -197,7 +198,7 @@ class ChannelCodec:
     def encode(self, x: torch.Tensor, spec: Spec) -> Packed:
         if self.consumer_only(x, spec):
             return self.derivative.encode(x, spec)
-        if not applies(x, spec.consumer):
+        if not applies(x, spec.consumer, self.config.min_channels):
             return self.minmax.encode(x, spec)
         axis = self.config.axis
         index, values, coded, scale = split_channels(x, self.outlier_count(x.shape[-1]), axis)

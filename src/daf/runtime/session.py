@@ -25,8 +25,8 @@ from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
 from daf.runtime.layout import reads_any_layout, restores_channels_last
 from daf.runtime.route import Context, Encoding, Kind, route
-from daf.tracing import (OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of, is_parameter, made_in_call,
-                         masked_product_of, parameter_storages)
+from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
+                         is_parameter, made_in_call, masked_product_of, normalized_output_of, parameter_storages)
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -206,6 +206,8 @@ class Session:
     def _context(self, site: str, tensor: torch.Tensor, op: OpCall | None) -> Context:
         arguments = op.weight_arguments if tensor.grad_fn is None and op is not None else []
         input_made_here = bool(arguments) and (self.sites.made_in_forward(tensor) or made_in_call(tensor, arguments))
+        if input_made_here and op.func in ATTENTION_FUNCTIONS:  # q, k, v reshaped; not logsumexp, read through exp
+            input_made_here = any(a.numel() == tensor.numel() for a in arguments)
         return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
                        input_made_here=input_made_here, product_of=self._product_of(tensor),
                        activation_of=self._activation_of(tensor),
@@ -237,9 +239,9 @@ class Session:
         return x, mask
 
     def _activation_of(self, tensor: torch.Tensor) -> tuple["_Saved", Callable[[torch.Tensor], torch.Tensor]] | None:
-        """(x's record, f) when ``tensor`` is f(x) for SiLU or GELU and x is stored in this forward, in a
-        record that decodes to x for any op (not derivative codes)."""
-        found = activation_output_of(tensor)
+        """(x's record, f) when ``tensor`` is f(x) for SiLU, GELU or LayerNorm and x is stored in this forward,
+        in a record that decodes to x for any op (not derivative codes)."""
+        found = activation_output_of(tensor) or normalized_output_of(tensor)
         x = None if found is None else self._record_of(found.node, found.output_nr)
         return None if x is None else (x, found.function)
 
@@ -349,7 +351,8 @@ class Session:
         return trackers[-1].current if trackers else None
 
     def _bits_for(self, site: str, x: torch.Tensor, op: OpCall | None) -> int:
-        return guarded_bits(self.policy, site, x, op)
+        bits = guarded_bits(self.policy, site, x, op)
+        return max(bits, self.config.floor_for(op.name)) if bits and op is not None and self.config.floors else bits
 
     def _op_done(self, call: OpCall) -> None:
         self.policy.watch_op(call)

@@ -45,9 +45,11 @@ ATTENTION_FUNCTIONS = _attention_functions()
 
 
 def _weight_functions() -> frozenset:
-    """The functions autocast runs in low precision that take a weight: their saves can be its cast."""
+    """The functions autocast runs in low precision that take a weight: their saves can be its cast; and
+    attention, whose saves without history made inside it (the math path's reshaped key of a frozen
+    projection) backward only multiplies by, like a matmul's (under the exponent guard's 8 bits)."""
     import torch.nn.functional as F
-    return frozenset({F.linear, F.bilinear, torch.matmul, torch.mm, torch.addmm, torch.bmm, torch.baddbmm,
+    return frozenset({F.scaled_dot_product_attention, F.linear, F.bilinear, torch.matmul, torch.mm, torch.addmm, torch.bmm, torch.baddbmm,
                       torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.mm,
                       F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d})
 
@@ -90,7 +92,9 @@ class OpCall:
         """Whether ``tensor`` is q, k, v or the output saved by a fused-attention kernel."""
         if self.func not in ATTENTION_FUNCTIONS:
             return False
-        if tensor.grad_fn is not None and "Attention" in type(tensor.grad_fn).__name__:
+        if tensor.grad_fn is None:
+            return True  # a copy made inside the call: the fused kernels' or the math path's, not told apart
+        if "Attention" in type(tensor.grad_fn).__name__:
             return True  # the kernel's own output
         for name, position in _ATTENTION_INPUTS:
             given = self.kwargs.get(name, self.args[position] if len(self.args) > position else None)

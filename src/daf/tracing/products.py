@@ -7,6 +7,11 @@ saves the product. When ``x`` is itself saved (attention's probabilities, saved 
 the product holds nothing that ``x`` and the mask do not: the session derives it from their records
 instead of storing a third copy (``daf.runtime.derived.DerivedProduct``).
 
+A LayerNorm's output saved by the next linear (BERT's layer output, read by the LoRA adapters of the
+next layer's query and value) holds nothing the norm's own saves do not: its input, mean and
+reciprocal standard deviation, weight and bias. It is remade as ``(x - mean) * rstd * w + b`` from
+the input's record.
+
 A gated MLP (Llama, SmolLM2, Mistral: ``silu(gate) * up``) saves ``gate`` (for SiLU's backward) and
 ``silu(gate)`` (for the multiply's); a full fine-tune's MLP saves GELU's input and, for the next
 linear, its output. The output holds nothing the input's record does not: the session remakes it as
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of"]
+__all__ = ["MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of", "normalized_output_of"]
 
 # Nodes whose output holds its input's elements in the same row-major order (an expand to the same
 # number of elements is the identity): the product can be remade as ``(x * mask).reshape(shape)``.
@@ -87,3 +92,40 @@ def activation_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
         return None
     source, output_nr = node.next_functions[0]
     return None if source is None else ActivationOutput(source, output_nr, function)
+
+
+def normalized_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
+    """Whether ``tensor`` is, through order-keeping views (a linear's flattening of its input), the
+    output of ``layer_norm`` applied to a tensor with history, and the function that remakes it from
+    that input with the norm's saved mean, reciprocal standard deviation, weight and bias. Reading
+    those goes through the saved-tensor hooks in force (the statistics have no history: kept raw)."""
+    node = tensor.grad_fn
+    if node is None or not tensor.is_contiguous():
+        return None
+    output_nr = tensor.output_nr
+    while type(node).__name__ in _ORDER_KEEPING:
+        node, output_nr = node.next_functions[0]
+        if node is None:
+            return None
+    if type(node).__name__ != "NativeLayerNormBackward0" or output_nr != 0:
+        return None
+    source, source_nr = node.next_functions[0]
+    if source is None:
+        return None
+    try:
+        function = functools.partial(_normalized, mean=node._saved_result1, rstd=node._saved_result2,
+                                     weight=node._saved_weight, bias=node._saved_bias, shape=tuple(tensor.shape))
+    except RuntimeError:  # its saves already freed (a graph backward has run through): nothing to remake from
+        return None
+    return ActivationOutput(source, source_nr, function)
+
+
+def _normalized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """``layer_norm``'s output from its input and saved statistics, in float32 as the CPU kernel computes."""
+    y = (x.float() - mean.float()) * rstd.float()
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(shape)
