@@ -34,6 +34,11 @@ def test_defaults_are_valid():
     ("min_bits", 3, "one of (1, 2, 4, 8)"),
     ("page_size", 5000, "power of two"),
     ("background", "yes", "True or False"),
+    ("floors", {"layer_norm": 3}, "bits in (1, 2, 4, 8)"),
+    ("floors", {"": 4}, "torch function names"),
+    ("floors", "layer_norm=4", "e.g. {'layer_norm': 4}"),
+    ("floors", [("linear", 4), ("linear", 8)], "each function once"),
+    ("floors", 4, "a mapping from torch function names"),
 ])
 def test_bad_values_name_field_value_and_allowed(field, value, allowed):
     with pytest.raises(ValueError) as info:
@@ -116,6 +121,7 @@ def test_replace_validates_and_rejects_unknown_fields():
     Config(policy=Adaptive(average=1.5, replan_every=7, window=2, smoothing=0.5, min_gain=0.1, allow_raw=False),
            codec=Division(), masks=False),
     Config(bits=8, codec=Division(), allocator="system"),
+    Config(floors={"linear": 4, "layer_norm": 8}),
 ])
 def test_round_trips_through_json(config):
     data = config.to_dict()
@@ -239,3 +245,12 @@ def test_spill_dir_is_checked_when_the_config_is_made(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
     with pytest.raises(ValueError, match=rf"Config.spill_dir .*{re.escape(repr(str(locked)))}: it is not writable"):
         Config(spill_dir=str(locked))
+
+
+def test_floors_are_sorted_pairs_a_dict_in_json_and_named_floors_only():
+    config = Config(floors={"scaled_dot_product_attention": 4, "layer_norm": 8})
+    assert config.floors == (("layer_norm", 8), ("scaled_dot_product_attention", 4))
+    assert Config(floors=[("layer_norm", 8), ("scaled_dot_product_attention", 4)]) == config
+    assert config.to_dict()["floors"] == {"layer_norm": 8, "scaled_dot_product_attention": 4}
+    assert (config.floor_for("layer_norm"), config.floor_for("linear"), config.floor_for(None)) == (8, 1, 1)
+    assert Config().floors == () and Config.from_dict({"bits": 4}).floors == ()

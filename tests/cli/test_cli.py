@@ -46,6 +46,9 @@ TINY = ["-O", "train_size=256", "-O", "eval_size=100", "--batch", "32", "--no-pr
     (["train", "tiny-mnist", "-O", "seed=3"], "give the seed with --seed"),
     (["compare", "resnet18-fmnist", "-O", "width=0"], "width must be a positive integer"),
     (["compare"], "the following arguments are required: WORKLOAD"),
+    (["train", "tiny-mnist", "--floors", "linear"], "write OP=BITS pairs separated by commas"),
+    (["train", "tiny-mnist", "--floors", "linear=3"], "BITS one of (1, 2, 4, 8)"),
+    (["train", "tiny-mnist", "--floors", "linear=4,linear=8"], "name each function once"),
 ])
 def test_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -340,3 +343,13 @@ def test_an_arm_never_outlives_its_compare(how):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         process.wait()
+
+
+def test_floors_flag_sets_config_floors_and_the_label(tmp_path):
+    path = tmp_path / "run.json"
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, "--floors", "linear=8, relu=4", "--no-plots",
+                 "--allocator", "system", "--json", str(path)]) == 0
+    run = json.loads(path.read_text())["runs"]["daf"]
+    assert run["config"]["floors"] == {"linear": 8, "relu": 4}
+    from daf.cli.table import config_label
+    assert config_label(run["config"]) == "DAF 2-bit floors linear=8,relu=4"

@@ -89,7 +89,8 @@ class DerivedProduct:
 
 class DerivedActivation:
     """``function(x)`` saved at ``site``, where ``x`` is a record of this session (SiLU's or GELU's input,
-    which the activation saved first). Nothing is stored; backward gets ``function(decoded x)``, whose
+    which the activation saved first; a LayerNorm's input, ``function`` holding its mean, reciprocal
+    standard deviation, weight and bias). Nothing is stored; backward gets ``function(decoded x)``, whose
     error is ``x``'s codes' error through the activation (|f'| <= 1.13), in place of a second set of
     codes of its own. The record stays alive with it."""
 

@@ -17,7 +17,8 @@ In order (the first that holds decides):
 4. an earlier save of the same tensor in this forward is stored: shared; a product of a stored
    tensor and a stored exact mask (dropout's output, ``daf.tracing.products``): derived from the two
    records, nothing stored and no error added; SiLU's or GELU's output whose input is stored (a
-   gated MLP's ``silu(gate)``): derived, recomputed from the input's record;
+   gated MLP's ``silu(gate)``), or LayerNorm's (BERT's layer output, read by the next layer's LoRA
+   adapters): derived, recomputed from the input's record (and the norm's saved statistics);
 5. two values only (dropout masks): an exact mask;
 6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
    its nonzeros (``nonzeros``);
@@ -84,8 +85,8 @@ class Context:
     stored; ``input_made_here``: the tensor has no autograd history, was made in this forward by a
     submodule (a frozen layer's output) and is saved by a linear, matmul or convolution, whose backward
     only multiplies by it; ``product_of``: the records (x, mask) when the tensor is x times an exact mask,
-    both stored in this forward; ``activation_of``: (x's record, f) when the tensor is f(x), f SiLU or
-    GELU, and x is stored in this forward; ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
+    both stored in this forward; ``activation_of``: (x's record, f) when the tensor is f(x), f SiLU,
+    GELU or a LayerNorm, and x is stored in this forward; ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
 
     site: str
     op: OpCall | None

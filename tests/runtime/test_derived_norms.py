@@ -1,0 +1,148 @@
+"""LayerNorm's output, saved by the next linear (a LoRA adapter reading BERT's layer output), is remade
+from the norm's stored input and saved statistics, not stored again; ``Config.floors`` sets the bits of
+both; attention's reshaped operands without history are coded, not kept raw."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import daf
+from daf.tracing import normalized_output_of
+
+session_module = importlib.import_module("daf.runtime.session")
+
+
+class NormThenLinear(nn.Module):
+    """x -> LayerNorm(x + a(x)) -> b: the linear saves the norm's output (flattened to 2-D by F.linear)."""
+
+    def __init__(self, width: int = 64, affine: bool = True) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, 16)
+        self.norm = nn.LayerNorm(width, elementwise_affine=affine)
+        if affine:
+            with torch.no_grad():
+                self.norm.weight.uniform_(0.5, 2.0)
+                self.norm.bias.uniform_(-1.0, 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(x + self.a(x)))
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    model.zero_grad()
+    (model(x) * torch.linspace(-1, 1, 16)).sum().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_normalized_output_of_remakes_the_output_through_views(affine):
+    torch.manual_seed(0)
+    norm, x = nn.LayerNorm(32, elementwise_affine=affine), torch.randn(4, 8, 32, requires_grad=True) * 3
+    y = norm(x * 1.0)
+    for saved in (y, y.view(32, 32), y.reshape(4, 256)):
+        found = normalized_output_of(saved)
+        assert found is not None and found.node is y.grad_fn.next_functions[0][0]
+        torch.testing.assert_close(found.function((x * 1.0).detach()), saved.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_other_tensors_are_not_normalized_outputs():
+    x = torch.randn(4, 32, requires_grad=True)
+    y = F.layer_norm(x * 1.0, (32,))
+    assert normalized_output_of(y.t()) is None           # not order-keeping
+    assert normalized_output_of(y * 2) is None
+    assert normalized_output_of(F.layer_norm(torch.randn(4, 32), (32,))) is None  # no history
+    assert normalized_output_of(torch.tanh(x)) is None
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_linear_after_a_norm_stores_nothing_and_keeps_its_gradient(affine, monkeypatch):
+    torch.manual_seed(0)
+    plain, x = NormThenLinear(affine=affine), torch.randn(16, 32, 64)
+    reference = _grads(plain, x)
+    model = daf.wrap(NormThenLinear(affine=affine), bits=8)
+    model.load_state_dict(plain.state_dict())
+    got = _grads(model, x)
+    report = daf.report(model)
+    derived = [r for r in report.rows if r.kind == "derived"]
+    assert [(r.site, r.stored_bytes, r.raw_bytes) for r in derived] == [("b#0", 0, 16 * 32 * 64 * 4)]
+    assert F.cosine_similarity(got, reference, dim=0) > 0.9999
+    monkeypatch.setattr(session_module, "normalized_output_of", lambda tensor: None)  # as before: codes of it
+    _grads(model, x)
+    assert daf.report(model).stored_bytes - report.stored_bytes >= 16 * 32 * 64  # one 8-bit copy of the output
+
+
+def test_a_norm_whose_input_is_not_stored_has_its_output_coded():
+    """The input below min_numel is kept raw by autograd: nothing to derive from, the output gets codes."""
+    model = daf.wrap(NormThenLinear(), bits=4, min_numel=2**20)
+    _grads(model, torch.randn(16, 32, 64))
+    assert not [r for r in daf.report(model).rows if r.kind == "derived"]
+
+
+def test_in_place_change_of_the_norm_output_raises_like_autograd():
+    class Changed(NormThenLinear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.norm(x + self.a(x))
+            out = self.b(y)
+            y.mul_(2)
+            self.kept = y  # alive at backward, so DAF sees the change
+            return out
+
+    model = daf.wrap(Changed(), bits=8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _grads(model, torch.randn(4, 8, 64))
+
+
+def test_floors_raise_the_named_functions_saves_and_no_other():
+    model = daf.wrap(NormThenLinear(), daf.Config(bits=2, floors={"layer_norm": 4}))
+    _grads(model, torch.randn(16, 32, 64))
+    assert {r.site: r.bits for r in daf.report(model).rows if r.kind == "compressed"} == {"norm#1": 4}
+    model = daf.wrap(NormThenLinear(), daf.Config(bits=2, floors={"linear": 8}))  # the linear saves nothing coded
+    _grads(model, torch.randn(16, 32, 64))
+    assert {r.site: r.bits for r in daf.report(model).rows if r.kind == "compressed"} == {"norm#1": 2}
+    model = daf.wrap(NormThenLinear(), daf.Config(bits=8, floors={"layer_norm": 2}))  # a floor never lowers
+    _grads(model, torch.randn(16, 32, 64))
+    assert {r.bits for r in daf.report(model).rows if r.kind == "compressed"} == {8}
+
+
+def test_a_floor_at_the_norm_sets_the_derived_outputs_precision():
+    torch.manual_seed(0)
+    plain, x = NormThenLinear(), torch.randn(16, 32, 64)
+    reference = _grads(plain, x)
+    errors = {}
+    for floors in ({}, {"layer_norm": 8}):
+        model = daf.wrap(NormThenLinear(), daf.Config(bits=2, floors=floors))
+        model.load_state_dict(plain.state_dict())
+        grads = _grads(model, x)
+        errors[bool(floors)] = ((grads - reference).norm() / reference.norm()).item()
+    assert errors[True] < errors[False] / 3
+
+
+class FrozenKeyAttention(nn.Module):
+    """Attention whose key comes from a frozen projection of an input without history (BERT's first layer
+    under LoRA on query and value); dropout on, so a CPU runs attention's math path."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+        self.k.requires_grad_(False)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        split = lambda z: z.view(b, t, self.heads, c // self.heads).transpose(1, 2)  # noqa: E731
+        return F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), dropout_p=0.1)
+
+
+def test_attentions_reshaped_operand_without_history_is_coded_under_the_guard():
+    torch.manual_seed(0)
+    model = daf.wrap(FrozenKeyAttention(), bits=2).train()
+    model(torch.randn(8, 64, 64)).sum().backward()
+    attention = [r for r in daf.report(model).rows if r.site.startswith("<root>")]  # what attention saved
+    key = [r for r in attention if r.source == "no history" and r.kind != "mask"]
+    assert len(key) == 1 and (key[0].kind, key[0].bits, key[0].raw_bytes) == ("compressed", 8, 8 * 64 * 64 * 4)
+    assert not [r for r in attention if r.kind == "raw"]
