@@ -99,7 +99,7 @@ class Report:
                     f"({self.ratio:.1f}x; {self.compressed_ratio:.1f}x on compressed sites); "
                     f"{self.parameters_referenced} parameter tensors referenced, not copied"
                     + (f"; {self.mean_code_bits:.2f} bits per coded element" if self.mean_code_bits else "")
-                    + (f"; derived in backward, not kept (casts of parameters, dropout outputs, SiLU/GELU outputs): {derived}"
+                    + (f"; derived in backward, not kept (casts of parameters, dropout outputs, SiLU/GELU/LayerNorm outputs): {derived}"
                        if derived else ""))
         for name, figures in self.sections.items():
             text.append(f"{name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items()))

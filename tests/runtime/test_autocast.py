@@ -121,10 +121,13 @@ def test_weight_copies_cost_no_bytes_and_the_gradient_stays_close():
     assert len(copies) == 3 and all(r.kind == "derived" and r.dtype == "bfloat16" for r in copies)
     # the three copies (1.01 MiB) were kept raw before: now only the activations' codes are stored
     assert sum(r.stored_bytes for r in copies) == 0 and report.stored_bytes < 400 * 1024
-    # and the two GELU outputs the next linear saves, remade from GELU's input (daf.runtime.derived)
-    assert [r.source for r in report.rows if r.kind == "derived" and r.source != "TBackward0"] == ["GeluBackward0"] * 2
-    assert report.totals()["sites"]["derived"] == 5
-    assert "derived in backward, not kept (casts of parameters, dropout outputs, SiLU/GELU outputs): 5" in str(report)
+    # and the two GELU outputs and the LayerNorm output the next linear saves, remade from their inputs
+    # (daf.runtime.derived)
+    assert [r.source for r in report.rows if r.kind == "derived" and r.source != "TBackward0"] == \
+        ["GeluBackward0", "NativeLayerNormBackward0", "GeluBackward0"]
+    assert report.totals()["sites"]["derived"] == 6
+    assert "derived in backward, not kept (casts of parameters, dropout outputs, SiLU/GELU/LayerNorm outputs): 6" \
+        in str(report)
 
 
 @pytest.mark.parametrize("change", ["optimizer step", "add_ under no_grad", "new data"])
@@ -180,7 +183,7 @@ def test_derived_copies_with_background_packing_and_retain_graph():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = model(x).float().square().sum()
     y.backward(retain_graph=True)
-    assert daf.report(model).totals()["sites"]["derived"] == 5  # three weight copies, two GELU outputs
+    assert daf.report(model).totals()["sites"]["derived"] == 6  # three weight copies, two GELU outputs, a norm's
     first = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     y.backward()  # the copies are derived again
