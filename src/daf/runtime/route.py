@@ -18,7 +18,8 @@ In order (the first that holds decides):
    tensor and a stored exact mask (dropout's output, ``daf.tracing.products``): derived from the two
    records, nothing stored and no error added; SiLU's or GELU's output whose input is stored (a
    gated MLP's ``silu(gate)``), or LayerNorm's (BERT's layer output, read by the next layer's LoRA
-   adapters): derived, recomputed from the input's record (and the norm's saved statistics);
+   adapters): derived, recomputed from the input's record (and the norm's saved statistics), unless
+   the policy gives it more bits than that record has;
 5. two values only (dropout masks): an exact mask;
 6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
    its nonzeros (``nonzeros``);
@@ -45,7 +46,7 @@ from daf.format import FLOAT_DTYPES
 from daf.tracing import (OpCall, cast_of_parameter, frozen_parameter_of_cast, parameter_of_cast,
                          stored_as_probabilities)
 
-__all__ = ["Kind", "Encoding", "Context", "route"]
+__all__ = ["Kind", "Encoding", "Context", "route", "derives"]
 
 
 class Kind(enum.Enum):
@@ -128,7 +129,7 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
         return SHARED
     if context.product_of is not None:
         return Encoding(Kind.DERIVED, data=context.product_of)
-    if context.activation_of is not None:
+    if context.activation_of is not None and derives(tensor, context):
         return Encoding(Kind.DERIVED, data=context.activation_of)
     mask = _mask_or(tensor, context, None)
     if mask is not None:
@@ -141,6 +142,14 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
     if nonzeros is not None:
         return Encoding(Kind.NONZEROS, bits, "codes", data=nonzeros)
     return Encoding(Kind.CODES, bits, "logprobs" if stored_as_probabilities(tensor, context.op) else "codes")
+
+
+def derives(tensor: torch.Tensor, context: Context) -> bool:
+    """Whether an activation's or norm's output is remade from its input's record: when the policy would
+    give it no more bits than that record holds (an adaptive plan that values a linear's input above the
+    norm's keeps codes of its own) and does not keep it raw."""
+    bits = context.bits_for(context.site, tensor, context.op)
+    return bits != 0 and context.activation_of[0].bits >= bits
 
 
 def _mask_or(tensor: torch.Tensor, context: Context, otherwise: Encoding | None) -> Encoding | None:

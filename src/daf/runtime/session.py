@@ -46,7 +46,7 @@ class _Saved:
     """
 
     __slots__ = ("store", "ref", "site", "pending", "mask", "source", "row", "exact", "numel", "channels_last",
-                 "readers", "__weakref__")
+                 "readers", "bits", "__weakref__")
 
     def __init__(self, store: Store, ref: int | None, site: str, source: "_Source",
                  pending: tuple[Future, float] | None = None, mask: "_Saved | None" = None) -> None:
@@ -54,6 +54,7 @@ class _Saved:
         self.source, self.row, self.exact, self.numel = source, -1, False, 0
         self.channels_last = False  # restored in channels-last layout (daf.runtime.layout)
         self.readers: frozenset[str] | None = None  # the ops that may share it (None: any); Codecs.readers
+        self.bits = 0  # the code width it was stored at (a derived save asks whether it is fine enough)
 
     def __del__(self) -> None:
         if self.ref is None:
@@ -196,6 +197,7 @@ class Session:
             return Derived(tensor, encoding.data, context.site, _Source(tensor)), 0
         if encoding.kind is Kind.DERIVED and encoding.data is context.activation_of:
             x, function = encoding.data
+            self.policy.watch(context.site, tensor, x.bits)  # a site of the plan, at its input's width
             return DerivedActivation(tensor, x, function, context.site, _Source(tensor), self.unpack), 0
         if encoding.kind is Kind.DERIVED:
             x, mask = encoding.data
@@ -283,7 +285,7 @@ class Session:
             packed = self.codecs.encode(encoding.codec, data, spec)
             saved = _Saved(self.store, self.store.put(packed, importance, site), site, _Source(tensor), None, mask)
             stored = packed.nbytes
-        saved.exact, saved.numel = encoding.kind in (Kind.MASK, Kind.RELU_MASK), tensor.numel()
+        saved.exact, saved.numel, saved.bits = encoding.kind in (Kind.MASK, Kind.RELU_MASK), tensor.numel(), encoding.bits
         saved.channels_last = restores_channels_last(tensor, op, self.config.channels_last)
         if tensor.grad_fn is not None:
             self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)
@@ -305,6 +307,8 @@ class Session:
             op.saves.append((site, tensor))
         elif encoding.kind is Kind.SHARED and isinstance(saved, _Saved):
             op.saves.append((saved.site, tensor))
+        elif isinstance(saved, DerivedActivation):  # what the plan weighs when it gives this site more bits
+            op.saves.append((site, tensor))
         elif encoding == Encoding(Kind.RAW) and tensor.dtype.is_floating_point:
             op.saves.append((site, tensor))
 
