@@ -97,3 +97,16 @@ def test_derivative_codes_beat_2_bit_codes_of_the_input():
     minmax = Codecs(daf.Config(backend="reference"))
     plain = derivative("gelu", minmax.decode(minmax.encode("codes", x, Spec(2, 1))))
     assert (coded - exact).square().mean() < (plain - exact).square().mean() / 2
+
+
+@pytest.mark.parametrize("function", ["gelu", "silu"])
+def test_level_codes_are_bucketize_of_the_derivative_even_at_the_midpoints(function):
+    levels = torch.tensor(LEVELS[function])
+    midpoints = (levels[1:] + levels[:-1]) / 2
+    x = torch.cat([torch.randn(100_000) * 3, torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])])
+    expected = torch.bucketize(derivative(function, x).nan_to_num(nan=0.0), midpoints).to(torch.uint8)
+    assert torch.equal(level_codes(function, x), expected)
+    # a derivative exactly at a midpoint goes below it, as bucketize (right=False) puts it
+    d = torch.cat([midpoints, torch.nextafter(midpoints, torch.full_like(midpoints, 2.0))])
+    counted = sum((d > m).to(torch.uint8) for m in midpoints.tolist())
+    assert torch.equal(counted, torch.bucketize(d, midpoints).to(torch.uint8))
