@@ -6,6 +6,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from daf.config import Outliers
+
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
@@ -61,3 +63,8 @@ def gradients(model: nn.Module, x: torch.Tensor, target: torch.Tensor | None = N
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(F.cosine_similarity(a.double(), b.double(), dim=0))
+
+
+def narrow_outliers(**fields) -> Outliers:
+    """``Outliers`` that splits from 16 channels (its default: 128), the widths these tests' models have."""
+    return Outliers(**{"min_channels": 16, **fields})

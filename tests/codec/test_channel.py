@@ -11,10 +11,7 @@ from daf.codec.channel import join_channels, outlier_channels, split_channels
 from daf.config import Outliers as _Outliers
 from daf.format import payload_bytes
 from daf.memory.paged import PagedStore
-
-
-def Outliers(**kw):  # noqa: N802  the split itself at these tests' small widths (default: 128 channels)
-    return _Outliers(**{"min_channels": 16, **kw})
+from tests.models import narrow_outliers as Outliers
 
 
 def _codec(backend="reference", **kw):

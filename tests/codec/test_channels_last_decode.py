@@ -9,11 +9,9 @@ from daf.codec.mask import two_values
 from daf.codec.registry import Codecs
 from daf.codec.spec import Spec
 from daf.config import Division
-from daf.config import Outliers as _Outliers
 
+from tests.models import narrow_outliers as Outliers
 
-def Outliers(**kw):  # noqa: N802  the split itself at these tests' small widths (default: 128 channels)
-    return _Outliers(**{"min_channels": 16, **kw})
 
 CODECS = {"minmax": {}, "division": {"codec": Division()}, "outliers": {"codec": Outliers()}}
 

@@ -4,12 +4,7 @@ import torch
 from torch import nn
 
 import daf
-from daf.config import Outliers as _Outliers
-from tests.models import cosine
-
-
-def Outliers(**kw):  # noqa: N802  the split itself at these tests' small widths (default: 128 channels)
-    return _Outliers(**{"min_channels": 16, **kw})
+from tests.models import cosine, narrow_outliers as Outliers
 
 
 class Block(nn.Module):

@@ -241,8 +241,8 @@ def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> di
     if "codec" in fields:
         fields["codec"] = _CODECS[fields["codec"]]()
     if "floors" in fields:
-        fields["floors"] = dict(pair.split("=") for pair in fields["floors"].split(","))
-        fields["floors"] = {op: int(bits) for op, bits in fields["floors"].items()}
+        pairs = (pair.partition("=") for pair in fields["floors"].split(","))  # checked by _floors
+        fields["floors"] = {op: int(bits) for op, _, bits in pairs}
     if "layout" in fields:
         fields["channels_last"] = _LAYOUTS[fields.pop("layout")]
     return fields

@@ -129,14 +129,17 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
         return SHARED
     if context.product_of is not None:
         return Encoding(Kind.DERIVED, data=context.product_of)
-    if context.activation_of is not None and derives(tensor, context):
-        return Encoding(Kind.DERIVED, data=context.activation_of)
+    bits = None  # asked of the policy once per save: an adaptive plan keeps a running balance of bytes
+    if context.activation_of is not None:
+        bits = context.bits_for(context.site, tensor, context.op)
+        if derives(bits, context):
+            return Encoding(Kind.DERIVED, data=context.activation_of)
     mask = _mask_or(tensor, context, None)
     if mask is not None:
         return mask
     nonzeros = nonzeros_of(tensor, context.min_numel) if context.relu_mask is not None and context.nonzeros_only else None
-    data = tensor if nonzeros is None else nonzeros
-    bits = context.bits_for(context.site, data, context.op)
+    if bits is None or nonzeros is not None:
+        bits = context.bits_for(context.site, tensor if nonzeros is None else nonzeros, context.op)
     if bits == 0:
         return KEPT_BY_POLICY
     if nonzeros is not None:
@@ -144,11 +147,10 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
     return Encoding(Kind.CODES, bits, "logprobs" if stored_as_probabilities(tensor, context.op) else "codes")
 
 
-def derives(tensor: torch.Tensor, context: Context) -> bool:
-    """Whether an activation's or norm's output is remade from its input's record: when the policy would
-    give it no more bits than that record holds (an adaptive plan that values a linear's input above the
-    norm's keeps codes of its own) and does not keep it raw."""
-    bits = context.bits_for(context.site, tensor, context.op)
+def derives(bits: int, context: Context) -> bool:
+    """Whether an activation's or norm's output is remade from its input's record: when the policy gives
+    it ``bits``, no more than that record holds (an adaptive plan that values a linear's input above the
+    norm's keeps codes of its own), and does not keep it raw (0)."""
     return bits != 0 and context.activation_of[0].bits >= bits
 
 

@@ -48,17 +48,24 @@ class MaskedProduct:
     mask_attribute: str
 
 
+def _behind_views(tensor: torch.Tensor) -> tuple[Any, int]:
+    """The autograd node (and its output's number) that made ``tensor`` before any order-keeping views;
+    (None, 0) when there is none or ``tensor`` is not contiguous (what is remade is)."""
+    node, output_nr = tensor.grad_fn, tensor.output_nr
+    if node is None or not tensor.is_contiguous():
+        return None, 0
+    while type(node).__name__ in _ORDER_KEEPING:
+        node, output_nr = node.next_functions[0]
+        if node is None:
+            return None, 0
+    return node, output_nr
+
+
 def masked_product_of(tensor: torch.Tensor) -> MaskedProduct | None:
     """Whether ``tensor`` is, through order-keeping views, ``x * m`` with ``x`` from the graph and ``m``
     without history (dropout's noise; whether ``m`` is an exact mask, the caller checks).
     Contiguous tensors only: the remade product is contiguous."""
-    node = tensor.grad_fn
-    if node is None or not tensor.is_contiguous():
-        return None
-    while type(node).__name__ in _ORDER_KEEPING:
-        node = node.next_functions[0][0]
-        if node is None:
-            return None
+    node, _ = _behind_views(tensor)
     if type(node).__name__ != "MulBackward0":
         return None
     (left, left_nr), (right, right_nr) = node.next_functions
@@ -99,14 +106,7 @@ def normalized_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
     output of ``layer_norm`` applied to a tensor with history, and the function that remakes it from
     that input with the norm's saved mean, reciprocal standard deviation, weight and bias. Reading
     those goes through the saved-tensor hooks in force (the statistics have no history: kept raw)."""
-    node = tensor.grad_fn
-    if node is None or not tensor.is_contiguous():
-        return None
-    output_nr = tensor.output_nr
-    while type(node).__name__ in _ORDER_KEEPING:
-        node, output_nr = node.next_functions[0]
-        if node is None:
-            return None
+    node, output_nr = _behind_views(tensor)
     if type(node).__name__ != "NativeLayerNormBackward0" or output_nr != 0:
         return None
     source, source_nr = node.next_functions[0]
