@@ -39,6 +39,8 @@ def test_defaults_are_valid():
     ("floors", "layer_norm=4", "e.g. {'layer_norm': 4}"),
     ("floors", [("linear", 4), ("linear", 8)], "each function once"),
     ("floors", 4, "a mapping from torch function names"),
+    ("floors", {"layernorm": 4}, "'layernorm' is no function of torch.nn.functional, torch or torch.Tensor "
+                                 "(did you mean 'layer_norm'?)"),
 ])
 def test_bad_values_name_field_value_and_allowed(field, value, allowed):
     with pytest.raises(ValueError) as info:

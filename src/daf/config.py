@@ -383,7 +383,9 @@ class Config:
             ``{"layer_norm": 4, "scaled_dot_product_attention": 4}`` (names as ``torch.nn.functional``
             spells them; the site's op in ``daf.report``). Kept as sorted ``(name, bits)`` pairs; a
             policy's 0 (keep raw) stays raw. Where a LayerNorm's output is derived from its input
-            (a LoRA adapter reading it), ``layer_norm``'s floor sets the precision of both.
+            (a LoRA adapter reading it), ``layer_norm``'s floor sets the precision of both. They act
+            where DAF's op tracker names the saving function (eager forward, the frameworks' calls);
+            a save it does not see gets the policy's bits.
     """
 
     bits: int = 2
@@ -502,7 +504,22 @@ def _checked_floors(value: Any) -> tuple[tuple[str, int], ...]:
             raise ValueError(f"Config.floors must be {allowed}; got {value!r} (entry {pair!r})")
     if len(set(names)) != len(names):
         raise ValueError(f"Config.floors names each function once; got {value!r}")
+    for name in names:
+        _check_torch_function(name, value)
     return tuple(sorted((name, int(bits)) for name, bits in pairs))
+
+
+def _check_torch_function(name: str, floors: Any) -> None:
+    """A floor names a function of ``torch.nn.functional``, ``torch`` or ``torch.Tensor``: a misspelt name
+    would match no save and silently do nothing."""
+    import torch
+    spaces = (torch.nn.functional, torch, torch.Tensor)
+    if any(callable(getattr(space, name, None)) for space in spaces):
+        return
+    close = difflib.get_close_matches(name, [n for n in dir(torch.nn.functional) if not n.startswith("_")], 1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"Config.floors: {name!r} is no function of torch.nn.functional, torch or torch.Tensor{hint}; "
+                     f"floors name the torch function that saves, as daf.report's ops show it; got {floors!r}")
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None, owner: str = "Config") -> None:
