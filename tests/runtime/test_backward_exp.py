@@ -1,5 +1,6 @@
-"""Saves that backward exponentiates keep 8 bits: fused attention's (softmax recomputed from q, k and an
-exact logsumexp); log_softmax's output (cross-entropy's backward is grad - exp(output) * sum(grad)) is
+"""Saves that backward exponentiates keep 8 bits: fused attention's q and k (softmax recomputed from them
+and an exact logsumexp; its output is remade from q, k and v on a CPU, so v keeps 4 bits);
+log_softmax's output (cross-entropy's backward is grad - exp(output) * sum(grad)) is
 stored as its probabilities instead, at 4 bits."""
 
 import importlib
@@ -10,8 +11,9 @@ import torch.nn.functional as F
 
 import daf
 from daf.policy import exponent_guard as guard_module
-from daf.policy.exponent_guard import PROBABILITY_BITS, SOFTMAX_RECOMPUTE_BITS
-route_module = importlib.import_module("daf.runtime.route")  # the package exports the function under this name
+from daf.policy.exponent_guard import ATTENTION_VALUE_BITS, PROBABILITY_BITS, SOFTMAX_RECOMPUTE_BITS
+route_module = importlib.import_module("daf.runtime.route")
+session_module = importlib.import_module("daf.runtime.session")  # the package exports the function under this name
 
 
 class Attention(torch.nn.Module):
@@ -52,16 +54,56 @@ needs_fused = pytest.mark.skipif(not _fused_attention_saves_inputs(),
 @pytest.mark.parametrize("masks", [True, False])
 @pytest.mark.parametrize("policy,bits", [(daf.Uniform(), 2), (daf.Uniform(), 1), (daf.Adaptive(average=2.0), 2)],
                          ids=["uniform-2", "uniform-1", "adaptive-2.0"])
-def test_fused_attention_saves_keep_eight_bits(policy, bits, masks):
+def test_fused_attention_keeps_q_and_k_at_eight_bits_and_remakes_its_output(policy, bits, masks):
     torch.manual_seed(0)
     model, x = Attention(), torch.randn(4, 64, 64)
     daf.wrap(model, bits=bits, policy=policy, masks=masks, min_numel=1)
     model(x).sum().backward()
-    rows = [r for r in daf.report(model).rows if r.kind == "compressed"]
+    rows = daf.report(model).rows
     attention = [r for r in rows if r.shape == (4, 4, 64, 16)]  # q (scaled), k, v, output
-    others = [r for r in rows if r.shape != (4, 4, 64, 16)]     # the linear layers' inputs
-    assert len(attention) == 4 and all(r.bits == SOFTMAX_RECOMPUTE_BITS for r in attention)
+    assert [(r.kind, r.bits) for r in attention[:2]] == [("compressed", SOFTMAX_RECOMPUTE_BITS)] * 2
+    assert (attention[2].kind, attention[2].bits) == ("compressed", ATTENTION_VALUE_BITS)  # v
+    assert attention[3].kind == "derived" and attention[3].stored_bytes == 0  # the output
+    others = [r for r in rows if r.shape != (4, 4, 64, 16) and r.kind == "compressed"]  # the linear layers' inputs
     assert others and all(r.bits < SOFTMAX_RECOMPUTE_BITS for r in others)
+
+
+@needs_fused
+def test_the_remade_attention_output_is_the_kernels():
+    from daf.tracing import attention_output_of
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 16, requires_grad=True) * 1 for _ in range(3))
+    for kwargs in ({"is_causal": True}, {"attn_mask": torch.randn(32, 32)}, {"scale": 0.3}):
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        found = attention_output_of(out)
+        assert found is not None and torch.equal(found.function(q.detach(), k.detach(), v.detach()), out.detach())
+    assert attention_output_of(F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)) is None
+    assert attention_output_of(q * 2) is None
+
+
+def test_v_keeps_eight_bits_where_the_output_is_not_remade():
+    """With dropout (its mask is not saved) or off a CPU there is no output to remake: v and a stored
+    output must agree at 8 bits, as q and k always do."""
+    from daf.policy.exponent_guard import backward_exponentiates
+    from daf.tracing import OpCall
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) * 1 for _ in range(3))
+    plain = OpCall(F.scaled_dot_product_attention, (q, k, v), {})
+    dropped = OpCall(F.scaled_dot_product_attention, (q, k), {"value": v, "dropout_p": 0.1})
+    assert [backward_exponentiates(plain, t) for t in (q, k, v)] == [True, True, False]
+    assert [backward_exponentiates(dropped, t) for t in (q, k, v)] == [True, True, True]
+    assert not backward_exponentiates(OpCall(F.linear, (q, k), {}), q)
+
+
+@needs_fused
+def test_a_remade_output_keeps_sharp_attention_where_separate_codes_of_v_and_the_output_do_not(monkeypatch):
+    torch.manual_seed(0)
+    model, x = Attention(sharpness=30.0), torch.randn(4, 64, 64)
+    reference = _grads(model, x)
+    daf.wrap(model, bits=4, min_numel=1)
+    remade = F.cosine_similarity(_grads(model, x), reference, dim=0)
+    monkeypatch.setattr(session_module, "attention_output_of", lambda tensor: None)  # the output coded at 4 bits
+    stored = F.cosine_similarity(_grads(model, x), reference, dim=0)
+    assert remade > 0.98 and stored < remade - 0.05  # 0.99 and 0.85 when measured
 
 
 @needs_fused

@@ -1,5 +1,5 @@
-"""LayerNorm's output, saved by the next linear (a LoRA adapter reading BERT's layer output), is remade
-from the norm's stored input and saved statistics, not stored again; ``Config.floors`` sets the bits of
+"""LayerNorm's and RMSNorm's output, saved by the next linear (a LoRA adapter reading BERT's or Llama's
+layer output), is remade from the norm's stored input and saved statistics, not stored again; ``Config.floors`` sets the bits of
 both; attention's reshaped operands without history are coded, not kept raw."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import daf
-from daf.tracing import normalized_output_of
+from daf.tracing import normalized_output_of, rms_normalized_output_of
 
 session_module = importlib.import_module("daf.runtime.session")
 
@@ -33,10 +33,36 @@ class NormThenLinear(nn.Module):
         return self.b(self.norm(x + self.a(x)))
 
 
+class LlamaRMSNorm(nn.Module):
+    """RMSNorm as Llama, Mistral and Qwen2 write it (elementwise ops), with a frozen or trained weight."""
+
+    def __init__(self, width: int, trained: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width).uniform_(0.5, 2.0), requires_grad=trained)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class Unweighted(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+RMS_NORMS = {"llama-frozen": lambda w: LlamaRMSNorm(w, trained=False), "llama-trained": lambda w: LlamaRMSNorm(w, True),
+             "torch": lambda w: nn.RMSNorm(w), "unweighted": lambda w: Unweighted()}
+
+
+class RMSNormThenLinear(NormThenLinear):
+    def __init__(self, norm: str, width: int = 64) -> None:
+        super().__init__(width)
+        self.norm = RMS_NORMS[norm](width)
+
+
 def _grads(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     model.zero_grad()
     (model(x) * torch.linspace(-1, 1, 16)).sum().backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
 
 
 @pytest.mark.parametrize("affine", [True, False])
@@ -74,6 +100,44 @@ def test_the_linear_after_a_norm_stores_nothing_and_keeps_its_gradient(affine, m
     monkeypatch.setattr(session_module, "normalized_output_of", lambda tensor: None)  # as before: codes of it
     _grads(model, x)
     assert daf.report(model).stored_bytes - report.stored_bytes >= 16 * 32 * 64  # one 8-bit copy of the output
+
+
+@pytest.mark.parametrize("norm", list(RMS_NORMS))
+def test_rms_normalized_output_of_remakes_the_output_through_views(norm):
+    torch.manual_seed(0)
+    module, h = RMS_NORMS[norm](32), torch.randn(4, 8, 32, requires_grad=True) * 3
+    y = module(h)
+    for saved in (y, y.view(32, 32), y.reshape(4, 256)):
+        found = rms_normalized_output_of(saved)
+        assert found is not None and found.node is h.grad_fn
+        torch.testing.assert_close(found.function(h.detach()), saved.detach(), rtol=0, atol=0)  # forward's order
+
+
+def test_other_tensors_are_not_rms_normalized_outputs():
+    x = torch.randn(4, 32, requires_grad=True)
+    y = RMS_NORMS["llama-frozen"](32)(x * 1.0)
+    assert rms_normalized_output_of(y.t()) is None  # not order-keeping
+    assert rms_normalized_output_of(y * (x * 1.0)) is None  # times a tensor with history: not a weight
+    assert rms_normalized_output_of(x * (x * 1.0)) is None
+    assert rms_normalized_output_of(RMS_NORMS["llama-frozen"](32)(torch.randn(4, 32))) is None  # no history
+    assert rms_normalized_output_of(torch.tanh(x)) is None
+
+
+@pytest.mark.parametrize("norm", list(RMS_NORMS))
+def test_the_linear_after_an_rms_norm_stores_nothing_and_keeps_its_gradient(norm, monkeypatch):
+    torch.manual_seed(0)
+    plain, x = RMSNormThenLinear(norm), torch.randn(16, 32, 64)
+    reference = _grads(plain, x)
+    model = daf.wrap(RMSNormThenLinear(norm), bits=8)
+    model.load_state_dict(plain.state_dict())
+    got = _grads(model, x)
+    report = daf.report(model)
+    derived = {r.site: (r.stored_bytes, r.raw_bytes) for r in report.rows if r.kind == "derived"}
+    assert derived["b#0"] == (0, 16 * 32 * 64 * 4)
+    assert F.cosine_similarity(got, reference, dim=0) > 0.9999
+    monkeypatch.setattr(session_module, "rms_normalized_output_of", lambda tensor: None)  # as before: codes of it
+    _grads(model, x)
+    assert daf.report(model).stored_bytes - report.stored_bytes >= 16 * 32 * 64  # an 8-bit copy at least
 
 
 def test_a_norm_whose_input_is_not_stored_has_its_output_coded():

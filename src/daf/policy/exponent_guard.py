@@ -5,9 +5,13 @@ Fused attention (flash / memory-efficient kernels) saves query, key, value, its 
 exact logsumexp of the logits; backward recomputes softmax as exp(q k^T * scale - logsumexp) and
 subtracts rowsum(dO * out) from dO v^T. Coarse codes of q and k shift the logits against the exact
 logsumexp, and exp() turns the shift into a multiplicative error (SmolLM2 at 2 bits diverged to NaN
-in two steps); coarse v and out break the cancellation of that subtraction where attention is
-sharp. All four keep 8 bits at least: on a causal head with logits ~30, 2 bits elsewhere and 8 here
-gives gradients at cosine 0.985 to fp32, against NaN with 2 bits here (tests/runtime/test_backward_exp.py).
+in two steps): they keep 8 bits at least. Separately coded v and out break the cancellation of that
+subtraction where attention is sharp: they keep 8 bits too, except where DAF remakes the output from
+the records of q, k and v (the CPU kernel without dropout, ``OpCall.remakes_attention_output``): the
+two then agree, and v keeps 4 bits at least. On a causal head with logits ~30, 2 bits elsewhere:
+cosine to fp32 0.985 with all four at 8, 0.85 with v and a stored output at 4, 0.99 with v at 4 and
+the output remade, 0.91 with v at 2 and the output remade (so v keeps ``ATTENTION_VALUE_BITS``, 4),
+against NaN with 2 bits everywhere (tests/runtime/test_backward_exp.py).
 The math path (used with dropout) saves its own intermediates and is left to the policy.
 
 ``log_softmax``'s output (``cross_entropy`` saves it) is the other case: its backward is
@@ -29,21 +33,25 @@ import torch
 from daf.policy.uniform import Policy
 from daf.tracing import OpCall, is_log_probabilities, stored_as_probabilities
 
-__all__ = ["guarded_bits", "floor_bits", "SOFTMAX_RECOMPUTE_BITS", "PROBABILITY_BITS", "backward_exponentiates",
+__all__ = ["guarded_bits", "floor_bits", "SOFTMAX_RECOMPUTE_BITS", "PROBABILITY_BITS", "ATTENTION_VALUE_BITS",
+           "backward_exponentiates",
            "is_probability_map"]
 
 SOFTMAX_RECOMPUTE_BITS = 8
 PROBABILITY_BITS = 4
+ATTENTION_VALUE_BITS = 4
 _SOFTMAX_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 
 
 def backward_exponentiates(call: OpCall | None, tensor: torch.Tensor) -> bool:
     """Whether backward feeds ``tensor`` (or what it recomputes from it) to exp(), where a coarse code's
-    additive error becomes a multiplicative one: fused attention's saves, and log_softmax's output saved
-    where DAF does not know the op (else it is coded as its probabilities: ``is_probability_map``)."""
+    additive error becomes a multiplicative one: fused attention's q and k (and its v and output, whose
+    difference backward takes, unless the output is remade), and log_softmax's output saved where DAF
+    does not know the op (else it is coded as its probabilities: ``is_probability_map``)."""
     if call is None:  # log_softmax's output saved by an op DAF did not see: coded as it is, at 8 bits
         return is_log_probabilities(tensor)
-    return call.is_fused_attention_save(tensor)
+    role = call.fused_attention_role(tensor)
+    return role == "logits" or (role == "values" and not call.remakes_attention_output)
 
 
 def is_probability_map(tensor: torch.Tensor, call: OpCall | None = None) -> bool:
@@ -57,6 +65,8 @@ def floor_bits(x: torch.Tensor, op: OpCall | None = None) -> int:
     """The fewest bits these rules allow for ``x`` (1: no rule applies)."""
     if backward_exponentiates(op, x):
         return SOFTMAX_RECOMPUTE_BITS
+    if op is not None and op.fused_attention_role(x) == "values":  # v, and the output where it is remade
+        return ATTENTION_VALUE_BITS
     return PROBABILITY_BITS if is_probability_map(x, op) else 1
 
 

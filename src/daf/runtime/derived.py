@@ -88,20 +88,20 @@ class DerivedProduct:
 
 
 class DerivedActivation:
-    """``function(x)`` saved at ``site``, where ``x`` is a record of this session (SiLU's or GELU's input,
-    which the activation saved first; a LayerNorm's input, ``function`` holding its mean, reciprocal
-    standard deviation, weight and bias). Nothing is stored; backward gets ``function(decoded x)``, whose
-    error is ``x``'s codes' error through the activation (|f'| <= 1.13), in place of a second set of
-    codes of its own. The record stays alive with it."""
+    """``function(*records)`` saved at ``site``, where the records are this session's (SiLU's or GELU's
+    input, which the activation saved first; a LayerNorm's or RMSNorm's input, ``function`` holding the
+    saved statistics and weight; fused attention's q, k and v). Nothing is stored; backward gets
+    ``function`` of the decoded records, whose error is theirs through the function (|f'| <= 1.13 for
+    the activations), in place of a second set of codes of its own. The records stay alive with it."""
 
-    __slots__ = ("x", "function", "dtype", "site", "source", "unpack_record")
+    __slots__ = ("records", "function", "dtype", "site", "source", "unpack_record")
 
-    def __init__(self, tensor: torch.Tensor, x: Any, function: Callable[[torch.Tensor], torch.Tensor], site: str,
-                 source: _VersionCheck, unpack_record: Callable[[Any], torch.Tensor]) -> None:
-        self.x, self.function, self.dtype = x, function, tensor.dtype
+    def __init__(self, tensor: torch.Tensor, records: tuple[Any, ...], function: Callable[..., torch.Tensor],
+                 site: str, source: _VersionCheck, unpack_record: Callable[[Any], torch.Tensor]) -> None:
+        self.records, self.function, self.dtype = records, function, tensor.dtype
         self.site, self.source, self.unpack_record = site, source, unpack_record
 
     def unpack(self) -> torch.Tensor:
         self.source.check(self.site)
         with torch.no_grad():
-            return self.function(self.unpack_record(self.x)).to(self.dtype)
+            return self.function(*(self.unpack_record(r) for r in self.records)).to(self.dtype)

@@ -17,9 +17,10 @@ In order (the first that holds decides):
 4. an earlier save of the same tensor in this forward is stored: shared; a product of a stored
    tensor and a stored exact mask (dropout's output, ``daf.tracing.products``): derived from the two
    records, nothing stored and no error added; SiLU's or GELU's output whose input is stored (a
-   gated MLP's ``silu(gate)``), or LayerNorm's (BERT's layer output, read by the next layer's LoRA
-   adapters): derived, recomputed from the input's record (and the norm's saved statistics), unless
-   the policy gives it more bits than that record has;
+   gated MLP's ``silu(gate)``), or LayerNorm's or RMSNorm's (a layer's output, read by the next
+   layer's LoRA adapters), or fused attention's on a CPU whose q, k and v are kept: derived,
+   recomputed from the input records (and the norm's saved statistics), unless the policy gives it
+   more bits than the coarsest of those records has;
 5. two values only (dropout masks): an exact mask;
 6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
    its nonzeros (``nonzeros``);
@@ -46,7 +47,7 @@ from daf.format import FLOAT_DTYPES
 from daf.tracing import (OpCall, cast_of_parameter, frozen_parameter_of_cast, parameter_of_cast,
                          stored_as_probabilities)
 
-__all__ = ["Kind", "Encoding", "Context", "route", "derives"]
+__all__ = ["Kind", "Encoding", "Context", "Remake", "route", "derives"]
 
 
 class Kind(enum.Enum):
@@ -80,14 +81,24 @@ class Encoding:
 
 
 @dataclass(frozen=True)
+class Remake:
+    """How a save is remade in backward: ``function(*decoded records)``. ``bits``: the coarsest code width
+    among the records (32 for one kept raw), which bounds the remade tensor's error."""
+
+    records: tuple[Any, ...]
+    function: Callable[..., torch.Tensor]
+    bits: int
+
+
+@dataclass(frozen=True)
 class Context:
     """What routing knows besides the tensor. ``shared``: the record of an earlier save of this tensor,
     if one is stored (else None); ``relu_mask``: the record of ReLU's mask of this very tensor, if one is
     stored; ``input_made_here``: the tensor has no autograd history, was made in this forward by a
     submodule (a frozen layer's output) and is saved by a linear, matmul or convolution, whose backward
     only multiplies by it; ``product_of``: the records (x, mask) when the tensor is x times an exact mask,
-    both stored in this forward; ``activation_of``: (x's record, f) when the tensor is f(x), f SiLU,
-    GELU or a LayerNorm, and x is stored in this forward; ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
+    both stored in this forward; ``remake``: how to remake the tensor from records of this forward
+    (f(x) for SiLU, GELU, a LayerNorm or an RMSNorm; attention's output from q, k and v); ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
 
     site: str
     op: OpCall | None
@@ -100,7 +111,7 @@ class Context:
     bits_for: Callable[[str, torch.Tensor, OpCall | None], int]
     input_made_here: bool = False
     product_of: tuple[Any, Any] | None = None
-    activation_of: tuple[Any, Callable[[torch.Tensor], torch.Tensor]] | None = None
+    remake: Remake | None = None
 
 
 PARAMETER = Encoding(Kind.PARAMETER)
@@ -130,10 +141,10 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
     if context.product_of is not None:
         return Encoding(Kind.DERIVED, data=context.product_of)
     bits = None  # asked of the policy once per save: an adaptive plan keeps a running balance of bytes
-    if context.activation_of is not None:
+    if context.remake is not None:
         bits = context.bits_for(context.site, tensor, context.op)
         if derives(bits, context):
-            return Encoding(Kind.DERIVED, data=context.activation_of)
+            return Encoding(Kind.DERIVED, data=context.remake)
     mask = _mask_or(tensor, context, None)
     if mask is not None:
         return mask
@@ -148,10 +159,10 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
 
 
 def derives(bits: int, context: Context) -> bool:
-    """Whether an activation's or norm's output is remade from its input's record: when the policy gives
-    it ``bits``, no more than that record holds (an adaptive plan that values a linear's input above the
-    norm's keeps codes of its own), and does not keep it raw (0)."""
-    return bits != 0 and context.activation_of[0].bits >= bits
+    """Whether a save is remade from its input records: when the policy gives it ``bits``, no more than
+    the coarsest record holds (an adaptive plan that values a linear's input above the norm's keeps codes
+    of its own), and does not keep it raw (0)."""
+    return bits != 0 and context.remake.bits >= bits
 
 
 def _mask_or(tensor: torch.Tensor, context: Context, otherwise: Encoding | None) -> Encoding | None:

@@ -24,9 +24,10 @@ from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
 from daf.runtime.layout import reads_any_layout, restores_channels_last
-from daf.runtime.route import Context, Encoding, Kind, route
+from daf.runtime.route import Context, Encoding, Kind, Remake, route
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
-                         is_parameter, made_in_call, masked_product_of, normalized_output_of, parameter_storages)
+                         attention_output_of, is_parameter, made_in_call, masked_product_of, normalized_output_of,
+                         parameter_storages, rms_normalized_output_of)
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -195,10 +196,11 @@ class Session:
             return context.shared, 0
         if encoding.kind is Kind.DERIVED and isinstance(encoding.data, torch.Tensor):
             return Derived(tensor, encoding.data, context.site, _Source(tensor)), 0
-        if encoding.kind is Kind.DERIVED and encoding.data is context.activation_of:
-            x, function = encoding.data
-            self.policy.watch(context.site, tensor, x.bits)  # a site of the plan, at its input's width
-            return DerivedActivation(tensor, x, function, context.site, _Source(tensor), self.unpack), 0
+        if encoding.kind is Kind.DERIVED and encoding.data is context.remake:
+            remake = encoding.data
+            self.policy.watch(context.site, tensor, remake.bits)  # a site of the plan, at its inputs' width
+            return DerivedActivation(tensor, remake.records, remake.function, context.site, _Source(tensor),
+                                     self.unpack), 0
         if encoding.kind is Kind.DERIVED:
             x, mask = encoding.data
             return DerivedProduct(tensor, x, mask, context.site, _Source(tensor), self.unpack), 0
@@ -212,7 +214,7 @@ class Session:
             input_made_here = any(a.numel() == tensor.numel() for a in arguments)
         return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
                        input_made_here=input_made_here, product_of=self._product_of(tensor),
-                       activation_of=self._activation_of(tensor),
+                       remake=self._remake_of(tensor),
                        shared=self._shareable(tensor, op), relu_mask=self._relu_masks.get(tensor),
                        masks=self.config.masks,
                        min_numel=self.config.min_numel, nonzeros_only=self.policy.codes_nonzeros_only,
@@ -240,12 +242,21 @@ class Session:
             return None
         return x, mask
 
-    def _activation_of(self, tensor: torch.Tensor) -> tuple["_Saved", Callable[[torch.Tensor], torch.Tensor]] | None:
-        """(x's record, f) when ``tensor`` is f(x) for SiLU, GELU or LayerNorm and x is stored in this forward,
-        in a record that decodes to x for any op (not derivative codes)."""
-        found = activation_output_of(tensor) or normalized_output_of(tensor)
-        x = None if found is None else self._record_of(found.node, found.output_nr)
-        return None if x is None else (x, found.function)
+    def _remake_of(self, tensor: torch.Tensor) -> Remake | None:
+        """How to remake ``tensor`` from records of this forward: f(x) for SiLU, GELU, LayerNorm or RMSNorm
+        when x is stored (in a record that decodes to x for any op: not derivative codes); attention's
+        output when its q, k and v are kept."""
+        found = activation_output_of(tensor) or normalized_output_of(tensor) or rms_normalized_output_of(tensor)
+        if found is not None:
+            x = self._record_of(found.node, found.output_nr)
+            return None if x is None else Remake((x,), found.function, x.bits)
+        attention = attention_output_of(tensor)
+        if attention is None:
+            return None
+        records = [self._record_behind(attention.node, attribute) for attribute in attention.attributes]
+        if not all(isinstance(r, _Kept) or (isinstance(r, _Saved) and r.readers is None) for r in records):
+            return None
+        return Remake(tuple(records), attention.function, min(r.bits if isinstance(r, _Saved) else 32 for r in records))
 
     def _record_of(self, node: Any, output_nr: int) -> "_Saved | None":
         """The record stored in this forward of output ``output_nr`` of autograd node ``node``, if it

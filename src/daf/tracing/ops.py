@@ -32,7 +32,7 @@ def _relu_functions() -> frozenset:
 
 RELU_FUNCTIONS = _relu_functions()
 
-# q, k, v of fused attention, by keyword and position (``is_fused_attention_save``).
+# q, k, v of fused attention, by keyword and position (``fused_attention_role``).
 _ATTENTION_INPUTS = (("query", 0), ("key", 1), ("value", 2))
 
 
@@ -88,19 +88,29 @@ class OpCall:
             return []
         return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, torch.Tensor)]
 
-    def is_fused_attention_save(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is q, k, v or the output saved by a fused-attention kernel."""
+    def fused_attention_role(self, tensor: torch.Tensor) -> str | None:
+        """What ``tensor`` is to a fused-attention kernel's backward: "logits" for q and k (and copies made
+        inside the call, the fused kernels' or the math path's, not told apart), which it exponentiates
+        against the saved logsumexp; "values" for v and the kernel's output; None for other saves."""
         if self.func not in ATTENTION_FUNCTIONS:
-            return False
+            return None
         if tensor.grad_fn is None:
-            return True  # a copy made inside the call: the fused kernels' or the math path's, not told apart
+            return "logits"
         if "Attention" in type(tensor.grad_fn).__name__:
-            return True  # the kernel's own output
+            return "values"  # the kernel's own output
         for name, position in _ATTENTION_INPUTS:
             given = self.kwargs.get(name, self.args[position] if len(self.args) > position else None)
             if given is tensor:
-                return True
-        return False
+                return "values" if name == "value" else "logits"
+        return None
+
+    @property
+    def remakes_attention_output(self) -> bool:
+        """Whether DAF remakes this attention call's output from its q, k and v in backward
+        (``daf.tracing.products.attention_output_of``): the CPU kernel without dropout."""
+        query = self.kwargs.get("query", self.args[0] if self.args else None)
+        dropout = self.kwargs.get("dropout_p", self.args[4] if len(self.args) > 4 else 0.0)
+        return isinstance(query, torch.Tensor) and query.device.type == "cpu" and not dropout
 
 
 class OpTracker(TorchFunctionMode):

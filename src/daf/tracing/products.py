@@ -17,6 +17,15 @@ A gated MLP (Llama, SmolLM2, Mistral: ``silu(gate) * up``) saves ``gate`` (for S
 linear, its output. The output holds nothing the input's record does not: the session remakes it as
 ``silu(decoded gate)`` in backward (``daf.runtime.derived.DerivedActivation``) instead of storing it.
 
+An RMSNorm written as elementwise ops (Llama, Mistral, Qwen2, T5, and ``torch.nn.RMSNorm`` on a CPU:
+``w * (x * rsqrt(mean(x**2) + eps))``) is the same case: its output, saved by the next layer's LoRA
+adapters, is remade as ``(x * r) * w`` from the input's record and the saved ``r``.
+
+Fused attention on a CPU saves q, k, v and its output. The output is remade from the records of q, k and
+v by running the kernel again in backward: nothing of it stored, and backward's
+``rowsum(dO * out)`` then matches ``dO v^T`` computed from the same decoded v, where separately coded
+copies of ``out`` and ``v`` cancel badly under sharp attention.
+
 This module only reads the autograd graph: which node multiplied, which of its inputs had history.
 """
 
@@ -30,7 +39,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of", "normalized_output_of"]
+__all__ = ["MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of", "normalized_output_of",
+           "rms_normalized_output_of", "AttentionOutput", "attention_output_of"]
 
 # Nodes whose output holds its input's elements in the same row-major order (an expand to the same
 # number of elements is the identity): the product can be remade as ``(x * mask).reshape(shape)``.
@@ -129,3 +139,94 @@ def _normalized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight:
     if bias is not None:
         y = y + bias.float()
     return y.reshape(shape)
+
+
+def rms_normalized_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
+    """Whether ``tensor`` is, through order-keeping views, ``x * r`` with ``r`` made by ``rsqrt`` (an
+    RMSNorm without weight), or that times a weight (a tensor without history, or a leaf: the norm's
+    frozen or trained scale), and the function that remakes it from ``x`` with the saved ``r`` and weight."""
+    node, _ = _behind_views(tensor)
+    if type(node).__name__ != "MulBackward0":
+        return None
+    weight = None
+    scaled = _rsqrt_scaling(node)
+    if scaled is None:
+        inner, weight_attribute = _weighted(node)
+        scaled = _rsqrt_scaling(inner) if inner is not None else None
+        if scaled is None:
+            return None
+        try:
+            weight = getattr(node, weight_attribute)
+        except RuntimeError:  # its saves already freed
+            return None
+    source, source_nr, rstd = scaled
+    return ActivationOutput(source, source_nr,
+                            functools.partial(_rms_normalized, rstd=rstd, weight=weight, shape=tuple(tensor.shape)))
+
+
+def _rsqrt_scaling(node: Any) -> tuple[Any, int, torch.Tensor] | None:
+    """(x's node, its output number, r) when ``node`` multiplied ``x`` (with history) by ``r = rsqrt(...)``."""
+    if type(node).__name__ != "MulBackward0":
+        return None
+    (left, left_nr), (right, right_nr) = node.next_functions
+    for (x, x_nr), (r, _), r_attribute in (((left, left_nr), (right, right_nr), "_saved_other"),
+                                            ((right, right_nr), (left, left_nr), "_saved_self")):
+        if x is not None and type(r).__name__ == "RsqrtBackward0":
+            try:
+                return x, x_nr, getattr(node, r_attribute)
+            except RuntimeError:
+                return None
+    return None
+
+
+def _weighted(node: Any) -> tuple[Any, str | None]:
+    """(the other factor's node, the attribute holding the weight) when ``node`` multiplied a tensor with
+    history by a weight: a tensor without history or a leaf (``AccumulateGrad``)."""
+    (left, _), (right, _) = node.next_functions
+    if left is not None and (right is None or type(right).__name__ == "AccumulateGrad"):
+        return left, "_saved_other"
+    if right is not None and (left is None or type(left).__name__ == "AccumulateGrad"):
+        return right, "_saved_self"
+    return None, None
+
+
+def _rms_normalized(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
+                    shape: tuple[int, ...]) -> torch.Tensor:
+    """The RMSNorm's output from its input, in the order forward multiplied."""
+    y = x * rstd
+    return (y if weight is None else y * weight).reshape(shape)
+
+
+@dataclass(frozen=True)
+class AttentionOutput:
+    """``tensor == function(q, k, v)``, where q, k and v are what attention node ``node`` saved as
+    ``attributes``."""
+
+    node: Any
+    attributes: tuple[str, str, str]
+    function: Callable[..., torch.Tensor]
+
+
+_CPU_FLASH = "ScaledDotProductFlashAttentionForCpuBackward0"
+
+
+def attention_output_of(tensor: torch.Tensor) -> AttentionOutput | None:
+    """Whether ``tensor`` is the output of the CPU fused-attention kernel without dropout, and the
+    function that runs the kernel again (same mask, causality and scale; read through the hooks in force)."""
+    node = tensor.grad_fn
+    if type(node).__name__ != _CPU_FLASH or tensor.output_nr != 0:
+        return None
+    try:
+        if node._saved_dropout_p != 0.0:
+            return None  # its random mask is not saved
+        function = functools.partial(_cpu_flash_attention, is_causal=node._saved_is_causal,
+                                     attn_mask=node._saved_attn_mask, scale=node._saved_scale)
+    except RuntimeError:
+        return None
+    return AttentionOutput(node, ("_saved_query", "_saved_key", "_saved_value"), function)
+
+
+def _cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                         attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
