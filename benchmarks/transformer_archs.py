@@ -184,7 +184,8 @@ def measure(arch: Arch, configs: dict[str, daf.Config], warmup: int, outliers: i
         rows[name] = {"cosine": float(F.cosine_similarity(g, g_ref, dim=0)),
                       "rel_error": float((g - g_ref).norm() / g_ref.norm()),
                       "stored_bytes": report.stored_bytes, "raw_bytes": report.raw_bytes, "seconds": seconds,
-                      "elements_by_kind": _elements_by_kind(report, kinds)}
+                      "elements_by_kind": _elements_by_kind(report, kinds),
+                      "uniform_fallback": report.sections.get("policy", {}).get("uniform_fallback")}
         daf.unwrap(model)
     return rows
 

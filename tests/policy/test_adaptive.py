@@ -180,3 +180,28 @@ def test_what_a_rule_holds_is_outside_the_plan_and_its_budget(generic):
     assert probabilities[0].site not in section["plan"] and section["mean_bits"] <= 2.0
     others = [r for r in report.rows if r.kind == "compressed" and r.source != "SoftmaxBackward0"]
     assert others and all(r.bits == section["plan"][r.site] for r in others)
+
+
+class NormHead(nn.Module):
+    """x -> a -> LayerNorm -> head: the head's input is remade from the norm's input record."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.a, self.norm, self.head = nn.Linear(width, width), nn.LayerNorm(width), nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.head(self.norm(self.a(x))).mean(1)
+
+
+@pytest.mark.parametrize("generic", ["hold", "floor", "trade"])
+def test_a_derived_save_is_outside_the_plan_and_stays_derived(generic):
+    """Uniform bits store nothing for a save remade from other records; a plan that raised it would store
+    codes uniform bits do not (T5 stored 3% more than uniform 2): it is neither paid for nor raised."""
+    torch.manual_seed(0)
+    model = daf.wrap(NormHead(), policy=daf.Adaptive(average=2.0, replan_every=2, generic=generic), min_numel=1)
+    _train(model, 5, lambda s: (torch.randn(8, 16, 64), torch.randint(0, 10, (8,))))
+    report = daf.report(model)
+    section = report.sections["policy"]
+    derived = [r for r in report.rows if r.kind == "derived"]
+    assert len(derived) == 1 and derived[0].stored_bytes == 0 and section["derived_outside_plan"] == 1
+    assert derived[0].site not in section["plan"] and section["plans"] >= 2

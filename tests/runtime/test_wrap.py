@@ -62,6 +62,27 @@ def test_raw_bytes_count_each_saved_tensor_once():
     assert report.raw_bytes == expected
 
 
+def test_a_tensor_kept_raw_counts_once_however_many_views_of_it_are_saved():
+    """Rotary embeddings' cos is saved by every layer's multiply through a view made in that layer:
+    autograd holds one tensor, and the report counts one."""
+    class Rotary(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            cos = torch.linspace(0, 1, 16)  # no history: kept raw
+            for layer in self.layers:
+                x = layer(x) * cos.unsqueeze(0)
+            return x
+
+    model = daf.wrap(Rotary(), bits=4, min_numel=1)
+    model(torch.randn(4, 16)).sum().backward()
+    raw = [r for r in daf.report(model).rows if r.kind == "raw" and r.shape == (1, 16)]
+    assert len(raw) == 3 and sorted(r.stored_bytes for r in raw) == [0, 0, 64]
+    assert sorted(r.raw_bytes for r in raw) == [0, 0, 64]
+
+
 @pytest.mark.parametrize("context", ["eval", "no_grad", "inference_mode"])
 def test_nothing_changes_outside_training_with_grad(context):
     torch.manual_seed(0)

@@ -27,7 +27,9 @@ output saved by a later op stores codes for its nonzeros only (``codes_nonzeros_
 its zeros come from ReLU's exact mask): it counts all its elements in the average and
 buys bits for the nonzeros alone (``Site.elements``, docs/policy.md section 3a). Exact
 1-bit masks (ReLU outputs, dropout masks) are stored alike by every policy and are
-outside the average; the report lists them as their own rows. So are the saves that a rule above every
+outside the average; the report lists them as their own rows; so are the saves remade from other
+records (a norm's or activation's output, attention's output: ``daf.runtime.derived``), which store
+nothing under either. So are the saves that a rule above every
 policy holds at more bits (softmax probabilities at 4, what backward exponentiates at 8:
 ``daf.policy.exponent_guard``): they are left out of the plan (``floors`` in the summary), since uniform
 bits pay for them alike and cutting the traded sites to pay for them lost to uniform on GPT-2 and Llama.
@@ -89,6 +91,10 @@ class AdaptivePolicy(Policy):
         # sites a rule above every policy raised (daf.policy.exponent_guard: softmax probabilities, what
         # backward exponentiates), and to what: outside the plan and its budget, as exact masks are
         self.floors: dict[str, int] = {}
+        # sites remade from other records (daf.runtime.derived): they store nothing under uniform bits
+        # too, so the plan neither pays for them nor raises them (a raise would store codes that uniform
+        # bits do not: T5 stored 3% more than uniform 2 when the plan raised its norms' outputs)
+        self.derived: set[str] = set()
 
     # -- the Policy interface ----------------------------------------------------------------
     def on_forward_start(self, step: int) -> None:
@@ -123,8 +129,10 @@ class AdaptivePolicy(Policy):
         self._credit = max(0, available - stored * bits)
         return bits
 
-    def watch(self, site: str, x: torch.Tensor, bits: int, elements: int | None = None) -> None:
-        if bits > self._given.get(site, bits):  # raised above what the policy gave: a rule's floor
+    def watch(self, site: str, x: torch.Tensor, bits: int, elements: int | None = None, derived: bool = False) -> None:
+        if derived:
+            self.derived.add(site)
+        elif bits > self._given.get(site, bits):  # raised above what the policy gave: a rule's floor
             self.floors[site] = bits
         if self._watching:
             self.estimator.observe_tensor(site, x, elements)
@@ -161,7 +169,7 @@ class AdaptivePolicy(Policy):
                 "costed by the generic model (a non-parameter consumer: norm, activation, softmax, "
                 "attention product), whose estimate is unsure; never below the uniform width"
                 + ("" if self.generic == "floor" else ", nor above"))}
-        figures.update(floors=dict(self.floors), mean_bits=round(self.plan.mean_bits, 4),
+        figures.update(floors=dict(self.floors), derived_outside_plan=len(self.derived), mean_bits=round(self.plan.mean_bits, 4),
                        estimated_variance=self.plan.cost,
                        exact=self.plan.exact, sites=counts, plan=dict(self.plan.bits))
         return figures
@@ -189,7 +197,7 @@ class AdaptivePolicy(Policy):
             costs = self.estimator.costs(name)
             if size == 0:
                 continue
-            if name in self.floors:  # its bits are the rule's, whatever a plan says: nothing to trade
+            if name in self.floors or name in self.derived:  # a rule's bits, or remade: nothing to trade
                 continue
             if costs is None:
                 fixed_elements += elements

@@ -29,9 +29,10 @@ class Policy:
     def on_forward_start(self, step: int) -> None:
         """Called before each compressed forward, with the number of forwards so far."""
 
-    def watch(self, site: str, x: torch.Tensor, bits: int, elements: int | None = None) -> None:
+    def watch(self, site: str, x: torch.Tensor, bits: int, elements: int | None = None, derived: bool = False) -> None:
         """Called for every compressed tensor; a policy may hook gradients here. ``elements``: the
-        activation's element count when ``x`` holds only its nonzeros (``codes_nonzeros_only``)."""
+        activation's element count when ``x`` holds only its nonzeros (``codes_nonzeros_only``);
+        ``derived``: nothing is stored, the tensor is remade from records ``bits`` wide."""
 
     def watch_op(self, call: Any) -> None:
         """Called after each torch function that saved stored tensors

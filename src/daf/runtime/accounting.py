@@ -9,7 +9,7 @@ import torch
 
 from daf.report import Report, SiteRow
 from daf.runtime.route import Encoding, Kind
-from daf.tracing import TensorTable
+from daf.tracing import TensorTable, tensor_key
 
 __all__ = ["Accounting"]
 
@@ -21,18 +21,23 @@ class Accounting:
     """Rows of the forward in progress and of the last finished one.
 
     ReLU's output is stored twice (a mask for ReLU, codes for the next op) but autograd without
-    DAF would hold it once: the last row that saves a tensor counts its raw bytes.
+    DAF would hold it once: the last row that saves a tensor counts its raw bytes. A tensor kept raw
+    counts once, however many views of it are saved (rotary's cos and sin, saved by each layer's
+    multiplies through a view made in that layer): a kept tensor lives until backward, so its
+    address is not reused within the forward.
     """
 
     def __init__(self) -> None:
         self._rows: list[SiteRow] = []
         self._last: list[SiteRow] = []
         self._counted = TensorTable(check_version=False)
+        self._kept_raw: set[tuple] = set()
         self.parameters_referenced = 0
 
     def begin(self) -> None:
         self._rows = []
         self._counted.clear()
+        self._kept_raw.clear()
         self.parameters_referenced = 0
 
     def end(self) -> None:
@@ -44,6 +49,11 @@ class Accounting:
             self.parameters_referenced += 1
             return -1
         raw = 0 if encoding.kind is Kind.SHARED else tensor.numel() * tensor.element_size()
+        if encoding.kind is Kind.RAW:
+            key = tensor_key(tensor)
+            if key in self._kept_raw:
+                raw = stored = 0
+            self._kept_raw.add(key)
         if raw:
             earlier = self._counted.get(tensor)
             if earlier is not None:

@@ -198,7 +198,7 @@ class Session:
             return Derived(tensor, encoding.data, context.site, _Source(tensor)), 0
         if encoding.kind is Kind.DERIVED and encoding.data is context.remake:
             remake = encoding.data
-            self.policy.watch(context.site, tensor, remake.bits)  # a site of the plan, at its inputs' width
+            self.policy.watch(context.site, tensor, remake.bits, derived=True)
             return DerivedActivation(tensor, remake.records, remake.function, context.site, _Source(tensor),
                                      self.unpack), 0
         if encoding.kind is Kind.DERIVED:
