@@ -85,23 +85,6 @@ def test_other_tensors_are_not_normalized_outputs():
     assert normalized_output_of(torch.tanh(x)) is None
 
 
-@pytest.mark.parametrize("affine", [True, False])
-def test_the_linear_after_a_norm_stores_nothing_and_keeps_its_gradient(affine, monkeypatch):
-    torch.manual_seed(0)
-    plain, x = NormThenLinear(affine=affine), torch.randn(16, 32, 64)
-    reference = _grads(plain, x)
-    model = daf.wrap(NormThenLinear(affine=affine), bits=8)
-    model.load_state_dict(plain.state_dict())
-    got = _grads(model, x)
-    report = daf.report(model)
-    derived = [r for r in report.rows if r.kind == "derived"]
-    assert [(r.site, r.stored_bytes, r.raw_bytes) for r in derived] == [("b#0", 0, 16 * 32 * 64 * 4)]
-    assert F.cosine_similarity(got, reference, dim=0) > 0.9999
-    monkeypatch.setattr(session_module, "normalized_output_of", lambda tensor: None)  # as before: codes of it
-    _grads(model, x)
-    assert daf.report(model).stored_bytes - report.stored_bytes >= 16 * 32 * 64  # one 8-bit copy of the output
-
-
 @pytest.mark.parametrize("norm", list(RMS_NORMS))
 def test_rms_normalized_output_of_remakes_the_output_through_views(norm):
     torch.manual_seed(0)
@@ -123,19 +106,29 @@ def test_other_tensors_are_not_rms_normalized_outputs():
     assert rms_normalized_output_of(torch.tanh(x)) is None
 
 
-@pytest.mark.parametrize("norm", list(RMS_NORMS))
-def test_the_linear_after_an_rms_norm_stores_nothing_and_keeps_its_gradient(norm, monkeypatch):
+NORMS = ["layer-affine", "layer-plain", *RMS_NORMS]
+
+
+def _norm_then_linear(norm: str) -> NormThenLinear:
+    if norm.startswith("layer"):
+        return NormThenLinear(affine=norm == "layer-affine")
+    return RMSNormThenLinear(norm)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_the_linear_after_a_norm_stores_nothing_and_keeps_its_gradient(norm, monkeypatch):
     torch.manual_seed(0)
-    plain, x = RMSNormThenLinear(norm), torch.randn(16, 32, 64)
+    plain, x = _norm_then_linear(norm), torch.randn(16, 32, 64)
     reference = _grads(plain, x)
-    model = daf.wrap(RMSNormThenLinear(norm), bits=8)
+    model = daf.wrap(_norm_then_linear(norm), bits=8)
     model.load_state_dict(plain.state_dict())
     got = _grads(model, x)
     report = daf.report(model)
     derived = {r.site: (r.stored_bytes, r.raw_bytes) for r in report.rows if r.kind == "derived"}
-    assert derived["b#0"] == (0, 16 * 32 * 64 * 4)
+    assert derived["b#0"] == (0, 16 * 32 * 64 * 4)  # (a trained RMSNorm weight's multiply also saves x * r: remade)
     assert F.cosine_similarity(got, reference, dim=0) > 0.9999
-    monkeypatch.setattr(session_module, "rms_normalized_output_of", lambda tensor: None)  # as before: codes of it
+    finder = "normalized_output_of" if norm.startswith("layer") else "rms_normalized_output_of"
+    monkeypatch.setattr(session_module, finder, lambda tensor: None)  # as before: codes of it
     _grads(model, x)
     assert daf.report(model).stored_bytes - report.stored_bytes >= 16 * 32 * 64  # an 8-bit copy at least
 
