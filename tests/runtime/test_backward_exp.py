@@ -73,10 +73,12 @@ def test_the_remade_attention_output_is_the_kernels():
     from daf.tracing import attention_output_of
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 32, 16, requires_grad=True) * 1 for _ in range(3))
-    for kwargs in ({"is_causal": True}, {"attn_mask": torch.randn(32, 32)}, {"scale": 0.3}):
+    mask = torch.randn(32, 32)
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}, {"scale": 0.3}):
         out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         found = attention_output_of(out)
-        assert found is not None and torch.equal(found.function(q.detach(), k.detach(), v.detach()), out.detach())
+        given = (mask,) if "attn_mask" in kwargs else ()
+        assert found is not None and torch.equal(found.function(q.detach(), k.detach(), v.detach(), *given), out.detach())
     assert attention_output_of(F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)) is None
     assert attention_output_of(q * 2) is None
 
@@ -92,6 +94,27 @@ def test_v_keeps_eight_bits_where_the_output_is_not_remade():
     assert [backward_exponentiates(plain, t) for t in (q, k, v)] == [True, True, False]
     assert [backward_exponentiates(dropped, t) for t in (q, k, v)] == [True, True, True]
     assert not backward_exponentiates(OpCall(F.linear, (q, k), {}), q)
+
+
+@needs_fused
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_output_is_remade_with_the_saved_mask(masked):
+    """A float mask given to attention is read from its record in backward (here: kept raw, no history)."""
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(4, 64, 64)
+    mask = torch.randn(64, 64) * 3 if masked else None
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (p.reshape(b, t, 4, -1).transpose(1, 2) for p in model.qkv(x).chunk(3, dim=-1))
+        return model.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, d))
+
+    model.forward = forward
+    reference = _grads(model, x)
+    daf.wrap(model, bits=8, min_numel=1)
+    got = _grads(model, x)
+    assert [r.kind for r in daf.report(model).rows if r.shape == (4, 4, 64, 16)][-1] == "derived"
+    assert F.cosine_similarity(got, reference, dim=0) > 0.9999
 
 
 @needs_fused

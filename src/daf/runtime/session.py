@@ -33,6 +33,7 @@ from daf.tracing.threads import PerThreadStack
 __all__ = ["Session"]
 
 _MASK32 = 0xFFFFFFFF
+_ABSENT = object()  # _record_behind: the node saved None (an optional tensor it was not given)
 
 
 class _Saved:
@@ -254,6 +255,9 @@ class Session:
         if attention is None:
             return None
         records = [self._record_behind(attention.node, attribute) for attribute in attention.attributes]
+        mask = self._record_behind(attention.node, attention.mask_attribute)
+        if mask is not _ABSENT:
+            records.append(mask)
         if not all(isinstance(r, _Kept) or (isinstance(r, _Saved) and r.readers is None) for r in records):
             return None
         return Remake(tuple(records), attention.function, min(r.bits if isinstance(r, _Saved) else 32 for r in records))
@@ -268,15 +272,18 @@ class Session:
 
     def _record_behind(self, node: Any, attribute: str) -> Any:
         """What this session's pack hook returned for the tensor that ``node`` saved as ``attribute``:
-        reading a ``_saved_*`` attribute calls the unpack hook, which here only names the record."""
+        reading a ``_saved_*`` attribute calls the unpack hook, which here only names the record.
+        ``_ABSENT`` where the node saved None there (no attention mask), None where nothing is known."""
         captured: list[Any] = []
         self._captured = (threading.get_ident(), captured)
         try:
-            getattr(node, attribute)
+            value = getattr(node, attribute)
         except Exception:  # released, or not a saved tensor: no product to derive
             return None
         finally:
             self._captured = None
+        if value is None:
+            return _ABSENT
         return captured[0] if len(captured) == 1 else None
 
     def _encode_and_put(self, encoding: Encoding, tensor: torch.Tensor, context: Context) -> tuple["_Saved", int]:

@@ -199,11 +199,12 @@ def _rms_normalized(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | 
 
 @dataclass(frozen=True)
 class AttentionOutput:
-    """``tensor == function(q, k, v)``, where q, k and v are what attention node ``node`` saved as
-    ``attributes``."""
+    """``tensor == function(q, k, v[, attn_mask])``, where q, k, v and the mask (if there is one) are what
+    attention node ``node`` saved as ``attributes`` and ``mask_attribute``."""
 
     node: Any
     attributes: tuple[str, str, str]
+    mask_attribute: str
     function: Callable[..., torch.Tensor]
 
 
@@ -212,21 +213,21 @@ _CPU_FLASH = "ScaledDotProductFlashAttentionForCpuBackward0"
 
 def attention_output_of(tensor: torch.Tensor) -> AttentionOutput | None:
     """Whether ``tensor`` is the output of the CPU fused-attention kernel without dropout, and the
-    function that runs the kernel again (same mask, causality and scale; read through the hooks in force)."""
+    function that runs the kernel again (same causality and scale; the mask is read, like q, k and v,
+    from its record in backward: a decoded copy held from now on would cost its full size)."""
     node = tensor.grad_fn
     if type(node).__name__ != _CPU_FLASH or tensor.output_nr != 0:
         return None
     try:
         if node._saved_dropout_p != 0.0:
             return None  # its random mask is not saved
-        function = functools.partial(_cpu_flash_attention, is_causal=node._saved_is_causal,
-                                     attn_mask=node._saved_attn_mask, scale=node._saved_scale)
+        function = functools.partial(_cpu_flash_attention, is_causal=node._saved_is_causal, scale=node._saved_scale)
     except RuntimeError:
         return None
-    return AttentionOutput(node, ("_saved_query", "_saved_key", "_saved_value"), function)
+    return AttentionOutput(node, ("_saved_query", "_saved_key", "_saved_value"), "_saved_attn_mask", function)
 
 
-def _cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                         attn_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+def _cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                         *, is_causal: bool, scale: float | None) -> torch.Tensor:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
