@@ -101,6 +101,8 @@ def test_other_tensors_are_not_rms_normalized_outputs():
     y = RMS_NORMS["llama-frozen"](32)(x * 1.0)
     assert rms_normalized_output_of(y.t()) is None  # not order-keeping
     assert rms_normalized_output_of(y * (x * 1.0)) is None  # times a tensor with history: not a weight
+    unweighted = RMS_NORMS["unweighted"](32)(x * 1.0)
+    assert rms_normalized_output_of(unweighted * torch.rand(4, 32)) is None  # a full-size factor: dropout's noise
     assert rms_normalized_output_of(x * (x * 1.0)) is None
     assert rms_normalized_output_of(RMS_NORMS["llama-frozen"](32)(torch.randn(4, 32))) is None  # no history
     assert rms_normalized_output_of(torch.tanh(x)) is None

@@ -159,6 +159,8 @@ def rms_normalized_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
             weight = getattr(node, weight_attribute)
         except RuntimeError:  # its saves already freed
             return None
+        if weight.numel() >= tensor.numel():  # not a per-channel scale: a full-size factor (dropout's noise)
+            return None
     source, source_nr, rstd = scaled
     return ActivationOutput(source, source_nr,
                             functools.partial(_rms_normalized, rstd=rstd, weight=weight, shape=tuple(tensor.shape)))
