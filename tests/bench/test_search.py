@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from daf import Adaptive, Config
+from daf import Adaptive, Config, Outliers
 from daf.bench.memory import format_table
-from daf.bench.methods import WORKLOAD_BITS, checkpoint_blocks, methods_for
+from daf.bench.methods import WORKLOAD_BITS, checkpoint_blocks, methods_for, workload_config
 from daf.bench.search import SearchResult, largest_fitting
 
 
@@ -128,7 +128,7 @@ def test_quick_keeps_three(workload):
     assert [m.name for m in quick] == ["fp32 (system malloc)", "fp32", f"DAF {bits}-bit"]
     assert quick[0].allocator == "system" and quick[0].daf is None
     assert quick[1].allocator == "auto" and quick[1].daf is None
-    assert quick[2].daf == Config(bits=bits)
+    assert quick[2].daf == workload_config(workload) and quick[2].daf.bits == bits
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOAD_BITS))
@@ -150,8 +150,8 @@ def test_every_method(workload):
             assert method.to_dict()["daf"] == method.daf.to_dict()
 
 
-def test_adaptive_only_below_8_bits():
-    assert WORKLOAD_BITS["smollm-lora"] == 8
+def test_smollm_runs_at_the_bits_that_keep_its_loss_and_without_adaptive():
+    assert workload_config("smollm-lora") == Config(bits=4, codec=Outliers())
     assert not any("adaptive" in m.name for m in methods_for("smollm-lora", CAP))
     adaptive = [m for m in methods_for("resnet18-fmnist", CAP) if "adaptive" in m.name]
     assert len(adaptive) == 1 and adaptive[0].daf == Config(policy=Adaptive(average=2.0))
