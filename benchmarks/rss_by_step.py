@@ -2,10 +2,12 @@
 process's peak so far (``VmHWM``). Shows when a process settles (how many steps a memory probe needs) and
 what a change does to the steady state rather than to the first steps.
 
-python benchmarks/rss_by_step.py [--workload resnet18-fmnist] [--batch 512] [--steps 6] [--fp32] [--release] [--json FILE]
+python benchmarks/rss_by_step.py [--workload resnet18-fmnist] [--batch 512] [--steps 6] [--fp32] [--release]
+    [--return-pages] [--json FILE]
 
 ``--release``: ``daf.allocator.native.release_free_memory()`` after every step (the experiment of
 docs/paging.md: does giving the allocators' free memory back between steps lower the peak?).
+``--return-pages``: ``Config.return_pages`` (the pool gives its freed pages back at once).
 
 Run it as the process you want to know about: the allocator is the one DAF installs in-process
 (``Config.allocator="auto"``), or the one preloaded (``daf run -- python benchmarks/rss_by_step.py ...``).
@@ -22,7 +24,8 @@ from typing import Any
 _MIB = 1 << 20
 
 
-def measure(workload_name: str, batch: int, steps: int, fp32: bool, release: bool = False) -> list[dict[str, float]]:
+def measure(workload_name: str, batch: int, steps: int, fp32: bool, release: bool = False,
+            return_pages: bool = False) -> list[dict[str, float]]:
     """One row per step: MiB of RSS at start, after forward, at the end, and the peak so far."""
     import daf
     from daf.allocator.native import release_free_memory
@@ -32,7 +35,7 @@ def measure(workload_name: str, batch: int, steps: int, fp32: bool, release: boo
     workload = get_workload(workload_name, eval_size=100)
     model = workload.build_model()
     if not fp32:
-        daf.wrap(model, daf.Config())
+        daf.wrap(model, daf.Config(return_pages=return_pages))
     optimizer, _ = workload.optimizer(model, steps)
     rows = []
     for data in workload.batches(batch, steps):
@@ -57,16 +60,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--fp32", action="store_true", help="plain PyTorch instead of DAF 2-bit")
     parser.add_argument("--release", action="store_true", help="release the allocators' free memory after every step")
+    parser.add_argument("--return-pages", action="store_true", help="Config.return_pages: the pool's freed pages "
+                        "go back to the system at once")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
-    rows = measure(args.workload, args.batch, args.steps, args.fp32, args.release)
+    rows = measure(args.workload, args.batch, args.steps, args.fp32, args.release, args.return_pages)
     print(f"{args.workload}, batch {args.batch}, {'fp32' if args.fp32 else 'DAF 2-bit'}: RSS in MiB")
     print(f"{'step':>4} {'start':>8} {'forward':>8} {'end':>8} {'peak':>8}")
     for i, row in enumerate(rows):
         print(f"{i:>4} {row['start']:8.0f} {row['after_forward']:8.0f} {row['end']:8.0f} {row['peak_so_far']:8.0f}")
     if args.json:
         result: dict[str, Any] = {"workload": args.workload, "batch": args.batch, "fp32": args.fp32,
-                                  "release": args.release, "rows": rows,
+                                  "release": args.release, "return_pages": args.return_pages, "rows": rows,
                                   "argv": sys.argv}
         with open(args.json, "w") as out:
             json.dump(result, out, indent=1)

@@ -365,6 +365,10 @@ class Config:
             1 bit wrecked training in the 200-step budget benchmark (docs/paging.md).
         page_size: bytes per page of the activation pool; a power of two in [4KiB, 64MiB]. Each record
             wastes half a page on average: 4KiB keeps that under 1% on ResNet-18 (docs/paging.md).
+        return_pages: give the pool's freed pages back to the system at once (CPU), so that between
+            steps the process does not hold them. Off by default: it does not lower the step's peak,
+            and the next forward faults them in again, which on a virtual machine that reports free
+            memory to its host cost 3-8% of a ResNet-18 step (docs/paging.md).
         spill_dir: parent directory for the private spill directory: an existing directory this process
             may write to, checked here; None uses the system temp dir.
         background: compress on a worker thread while forward goes on.
@@ -399,6 +403,7 @@ class Config:
     budget: int | str | None = None
     min_bits: int = 2
     page_size: int = 4096
+    return_pages: bool = False
     spill_dir: str | None = None
     background: bool = False
     masks: bool = True
@@ -423,6 +428,7 @@ class Config:
         _check_int("page_size", self.page_size, 4096, 64 * 2**20)
         if not _is_power_of_two(self.page_size):
             raise ValueError(f"Config.page_size must be a power of two in [4096, 67108864], got {self.page_size}")
+        _check_bool("Config.return_pages", self.return_pages)
         _check_spill_dir(self.spill_dir)
         _check_bool("Config.background", self.background)
         _check_bool("Config.masks", self.masks)

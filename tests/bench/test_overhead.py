@@ -19,6 +19,7 @@ def test_overhead_table_and_json(tmp_path, capsys):
     parts = sum(v for k, v in components.items() if k not in ("fp32 step", "DAF step"))
     assert math.isclose(components["fp32 step"] + parts, components["DAF step"], rel_tol=1e-9)
     assert len(result["rows"]) == 2
+    assert result["config"]["bits"] == 2  # the workload's own (daf.bench.methods.workload_config)
     assert "encode[relu_mask]" in capsys.readouterr().out
     assert math.isclose(result["step_ratio"], overhead.step_ratio(result["rows"]))
 
@@ -32,9 +33,9 @@ def test_step_ratio_is_the_median_of_each_rounds_ratio():
 def test_cpu_clock_is_recorded_and_explains_the_gap(tmp_path):
     path = tmp_path / "o.json"
     assert main(["overhead", "--workload", "tiny-mnist", "--batch", "32", "--steps", "2", "--warmup", "1",
-                 "-O", "train_size=256", "--clock", "cpu", "--json", str(path)]) == 0
+                 "-O", "train_size=256", "--clock", "cpu", "--bits", "4", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
-    assert result["clock"] == "cpu" and result["threads"] >= 1
+    assert result["clock"] == "cpu" and result["threads"] >= 1 and result["config"]["bits"] == 4
     components = result["components"]
     parts = sum(v for k, v in components.items() if k not in ("fp32 step", "DAF step"))
     assert math.isclose(components["fp32 step"] + parts, components["DAF step"], rel_tol=1e-9)

@@ -33,6 +33,65 @@ def test_split_join_is_exact(axis):
     assert torch.allclose(join_channels(coded, index, values, tuple(x.shape), axis, scale), x, rtol=1e-6, atol=0)
 
 
+def _split_plainly(x, count):
+    """split_channels for axis "channel" as first written: column gathers and a strided transpose."""
+    m = x.detach().reshape(-1, x.shape[-1])
+    peak = m.abs().amax(dim=0).float().nan_to_num(posinf=float("inf"), nan=float("inf"))
+    index = torch.topk(peak, count, sorted=False).indices.sort().values
+    keep = torch.ones(m.shape[1], dtype=torch.bool)
+    keep[index] = False
+    inliers = m[:, keep].float()
+    scale = inliers.abs().amax(dim=1)
+    scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+    return index, m[:, index], (inliers / scale[:, None]).t().contiguous(), scale
+
+
+def _join_plainly(coded, values, index, full_shape, scale):
+    out = torch.empty(coded.shape[1], full_shape[-1], dtype=values.dtype)
+    keep = torch.ones(full_shape[-1], dtype=torch.bool)
+    keep[index] = False
+    out[:, keep] = (coded.t() * scale[:, None]).to(values.dtype)
+    out[:, index] = values
+    return out.view(full_shape)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(2, 80), channels=st.integers(16, 150), batch=st.sampled_from([None, 2]),
+       count=st.integers(0, 5), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       special=st.sampled_from([None, "nan", "inf", "-inf", "zero_row", "negative_zero"]),
+       transposed_input=st.booleans(), seed=st.integers(0, 2**31))
+def test_split_join_channel_axis_equal_the_plain_statement(rows, channels, batch, count, dtype, special,
+                                                            transposed_input, seed):
+    """The transposes by the native kernel, the row gathers and the two-reduction magnitudes give the
+    column-gather statement's values bit for bit, special values included; the join inverts either."""
+    shape = (rows, channels) if batch is None else (batch, rows, channels)
+    x = _with_outliers(shape, channels=(channels // 3,), seed=seed)
+    if special is not None:
+        flat = x.view(-1, channels)
+        if special == "zero_row":
+            flat[rows // 2] = 0
+        elif special == "negative_zero":
+            flat[rows // 2] = -0.0
+        else:
+            flat[rows // 2, channels // 2] = float(special)
+    x = x.to(dtype)
+    if transposed_input:  # a non-contiguous save: the same values through a transposed view
+        x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    got, want = split_channels(x, count, "channel"), _split_plainly(x, count)
+    for a, b in zip(got, want):
+        _assert_same(a, b)
+        assert a.is_contiguous()
+    joined = join_channels(got[2], got[0], got[1], tuple(x.shape), "channel", got[3])
+    _assert_same(joined, _join_plainly(*want[2::-1], tuple(x.shape), want[3]))
+    assert joined.dtype == x.dtype and joined.shape == x.shape and joined.is_contiguous()
+
+
+def _assert_same(a, b):
+    """Equal dtype, shape and values (NaN where NaN is)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 def test_outlier_count_is_an_exact_ceiling():
     codec = _codec(fraction=0.1)
     assert [codec.outlier_count(c) for c in (16, 30, 31, 700)] == [2, 3, 4, 70]

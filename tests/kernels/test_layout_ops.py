@@ -63,6 +63,18 @@ def test_copy_takes_any_layout_and_refuses_other_ranks(extension):
         layout_ops.channels_last_copy(torch.randn(3, 4, 5))
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (1, 9), (9, 1), (37, 70), (512, 576), (64, 1530)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_transposed_is_a_contiguous_copy_of_the_transpose(extension, shape, dtype):
+    m = torch.arange(shape[0] * shape[1]).view(shape)
+    m = (m % 256 if dtype == torch.uint8 else m).to(dtype)
+    got = layout_ops.transposed(m)
+    assert got.is_contiguous() and torch.equal(got, m.t()) and got.data_ptr() != m.data_ptr()
+    assert torch.equal(layout_ops.transposed(m.t()), m)  # from a non-contiguous view
+    with pytest.raises(ValueError, match="2-D tensor"):
+        layout_ops.transposed(m.view(1, *shape))
+
+
 def test_copy_has_shapes_on_the_meta_device():
     out = layout_ops.channels_last_copy(torch.empty(2, 3, 4, 5, device="meta"))
     assert out.shape == (2, 3, 4, 5) and out.is_contiguous(memory_format=torch.channels_last)

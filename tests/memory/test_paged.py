@@ -385,3 +385,12 @@ def test_a_release_from_inside_the_store_waits_for_the_lock_instead_of_deadlocki
     with pytest.raises(KeyError, match="not stored"):
         store.get(ref)
     store._check()
+
+
+@pytest.mark.parametrize("return_pages", [False, True])
+def test_the_config_says_whether_freed_pages_go_back(return_pages):
+    store = PagedStore(Config(page_size=PAGE, return_pages=return_pages))
+    ref = store.put(_packed(20000, 4), 1.0, "s")
+    assert store._pools[torch.device("cpu")].return_pages is return_pages
+    store.release(ref)
+    assert Config().return_pages is False  # the default: no fault per page in the next forward

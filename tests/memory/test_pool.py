@@ -143,12 +143,13 @@ def _resident_pages(address: int, count: int) -> int | None:
     return sum(entry >> 63 for entry in entries)
 
 
-def test_freed_pages_go_back_to_the_system():
+@pytest.mark.parametrize("return_pages", [True, False])
+def test_freed_pages_go_back_to_the_system_when_asked(return_pages):
+    """With ``return_pages`` freed pages leave the process at once (RSS between steps); without it (the
+    default) they stay resident for the next forward, which then writes them without faulting."""
     import mmap
 
-    """Backward frees records while it allocates full-size tensors elsewhere: the pool must not keep the
-    freed pages resident (the step's peak would count every record stored in forward)."""
-    pool = PagePool(PAGE, "cpu", min_growth_bytes=64 * PAGE)
+    pool = PagePool(PAGE, "cpu", min_growth_bytes=64 * PAGE, return_pages=return_pages)
     pages = pool.allocate(64)
     pool.write(pages, _bytes(64 * PAGE, 1))
     address = pool.views(pages, 64 * PAGE)[0].data_ptr()
@@ -157,6 +158,9 @@ def test_freed_pages_go_back_to_the_system():
         pytest.skip("/proc/self/pagemap cannot be read here")
     keep, drop = pages[:16], pages[16:]
     pool.free(drop)
+    if not return_pages:
+        assert _resident_pages(address, system_pages) == system_pages
+        return
     assert _resident_pages(address, system_pages) == 16 * PAGE // mmap.PAGESIZE
     assert not pool.read(drop, 48 * PAGE).any()  # discarded, not only unmapped (they read as fresh zeros)
     assert torch.equal(pool.read(keep, 16 * PAGE), _bytes(64 * PAGE, 1)[: 16 * PAGE])  # the rest untouched
@@ -172,7 +176,7 @@ def test_pages_smaller_than_the_systems_give_back_only_whole_system_pages(monkey
     import daf.memory.pool as pool_module
 
     monkeypatch.setattr(pool_module.mmap, "PAGESIZE", 4 * mmap.PAGESIZE)
-    pool = PagePool(PAGE, "cpu", min_growth_bytes=16 * PAGE)
+    pool = PagePool(PAGE, "cpu", min_growth_bytes=16 * PAGE, return_pages=True)
     pages = pool.allocate(16)
     data = _bytes(16 * PAGE, 3)
     pool.write(pages, data)
@@ -193,7 +197,7 @@ def test_large_chunks_give_back_whole_huge_pages_once_their_neighbours_are_free(
 
     huge = _huge_page_bytes()
     per_huge = huge // PAGE
-    pool = PagePool(PAGE, "cpu", min_growth_bytes=4 * huge)
+    pool = PagePool(PAGE, "cpu", min_growth_bytes=4 * huge, return_pages=True)
     pages = pool.allocate(4 * per_huge)
     data = _bytes(4 * huge, 4)
     pool.write(pages, data)

@@ -130,6 +130,7 @@ def measure(workload_name: str, batch: int, steps: int = 5, warmup: int = 2, opt
         if index >= warmup:
             rows.append(row)
     return {"workload": workload_name, "batch": batch, "steps": steps, "warmup": warmup, "clock": clock,
+            "config": daf.session_of(models["daf"]).config.to_dict(),
             "threads": torch.get_num_threads(), "options": options or {}, "components": _components(rows), "step_ratio": step_ratio(rows), "rows": rows}
 
 
@@ -162,7 +163,9 @@ def step_ratio(rows: list[dict[str, float]]) -> float:
 def table(result: dict[str, Any]) -> str:
     comps = result["components"]
     fp32 = comps["fp32 step"]
-    lines = [f"{result['workload']} batch {result['batch']} {result['options']}: medians of {result['steps']} steps "
+    from daf.cli.table import config_label
+    lines = [f"{result['workload']} batch {result['batch']} {result['options']}, {config_label(result['config'])}: "
+             f"medians of {result['steps']} steps "
              f"after {result['warmup']} warm-up, {result['clock']} clock, {result['threads']} thread(s)", f"{'component':34s} {'ms/step':>9s} {'% of fp32':>10s}"]
     for name, seconds in comps.items():
         lines.append(f"{name:34s} {1000 * seconds:9.1f} {100 * seconds / fp32:9.1f}%")
@@ -177,7 +180,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE",
                         help="a workload option, e.g. -O width=16")
-    parser.add_argument("--bits", type=int, default=2)
+    parser.add_argument("--bits", type=int, default=None,
+                        help="DAF's code width (default: the workload's, with its codec: what keeps its result; "
+                             "daf.bench.methods.workload_config)")
+    parser.add_argument("--return-pages", action="store_true",
+                        help="Config.return_pages: the pool gives freed pages back to the system at once")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall: seconds as the user waits them (default); cpu: the process's CPU time, "
                              "which other jobs do not inflate (use with --threads 1)")
@@ -188,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import ast
 
-    import daf
+    from daf.bench.methods import workload_config
     options = {}
     for item in args.option:
         key, _, value = item.partition("=")
@@ -201,8 +208,12 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--threads {args.threads}: expected a positive number of threads")
         import torch
         torch.set_num_threads(args.threads)
-    result = measure(args.workload, args.batch, args.steps, args.warmup, options, daf.Config(bits=args.bits),
-                     clock=args.clock)
+    config = workload_config(args.workload)
+    if args.bits is not None:
+        config = config.replace(bits=args.bits)
+    if args.return_pages:
+        config = config.replace(return_pages=True)
+    result = measure(args.workload, args.batch, args.steps, args.warmup, options, config, clock=args.clock)
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

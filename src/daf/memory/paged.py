@@ -111,6 +111,7 @@ class PagedStore:
             raise TypeError(f"PagedStore's reencode must be a callable (packed, bits, seed) -> Packed such as "
                             f"codec.reencode, or None; got {type(reencode).__name__}")
         self.page_size = config.page_size
+        self.return_pages = config.return_pages
         self.budget = config.budget
         self.min_bits = config.min_bits
         self._reencode_with = reencode  # None: never demote, only spill
@@ -213,7 +214,7 @@ class PagedStore:
     def _pool(self, device: torch.device) -> PagePool:
         pool = self._pools.get(device)
         if pool is None:
-            pool = self._pools[device] = PagePool(self.page_size, device, self.budget)
+            pool = self._pools[device] = PagePool(self.page_size, device, self.budget, return_pages=self.return_pages)
         return pool
 
     def _place(self, record: _Record, payload: torch.Tensor) -> None:

@@ -101,7 +101,7 @@ class PagePool:
     """
 
     def __init__(self, page_size: int, device: torch.device | str, limit_bytes: int | None = None,
-                 growth_fraction: float = 1 / 32, min_growth_bytes: int = 0) -> None:
+                 growth_fraction: float = 1 / 32, min_growth_bytes: int = 0, return_pages: bool = False) -> None:
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {page_size}")
         if not 0 < growth_fraction <= 1:
@@ -111,6 +111,7 @@ class PagePool:
         self.limit_pages = None if limit_bytes is None else limit_bytes // page_size
         self.growth_fraction = growth_fraction
         self.min_growth_pages = max(1, min_growth_bytes // page_size)
+        self.return_pages = return_pages
         self._chunks: list[torch.Tensor] = []
         self._maps: list[_Mapping | None] = []  # each CPU chunk's mapping, to give freed pages back
         self._huge_page = _huge_page_bytes() if self.device.type == "cpu" else 0  # read once, not per chunk
@@ -150,13 +151,15 @@ class PagePool:
     def free(self, pages: list[int]) -> None:
         """Give ``pages`` back; the next ``allocate`` may hand them out. O(len(pages)) in C for one run.
 
-        On the CPU their memory also goes back to the system at once (``MADV_DONTNEED``): between steps
-        the process no longer holds the pool's high-water mark (docs/paging.md; the step's peak, at
-        the end of forward, is not lowered by it). The next forward faults them in again.
+        With ``return_pages``, on the CPU their memory also goes back to the system at once
+        (``MADV_DONTNEED``): between steps the process no longer holds the pool's high-water mark
+        (docs/paging.md; the step's peak, at the end of forward, is not lowered by it). The next
+        forward faults them in again.
         """
         self._free.give(pages)
         self.in_use_pages -= len(pages)
-        self._give_back(pages)
+        if self.return_pages:
+            self._give_back(pages)
         if self.in_use_pages == 0:
             self._end_step()
 
