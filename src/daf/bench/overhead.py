@@ -163,8 +163,9 @@ def step_ratio(rows: list[dict[str, float]]) -> float:
 def table(result: dict[str, Any]) -> str:
     comps = result["components"]
     fp32 = comps["fp32 step"]
-    from daf.cli.table import config_label
-    lines = [f"{result['workload']} batch {result['batch']} {result['options']}, {config_label(result['config'])}: "
+    config = result["config"]
+    daf_label = f"DAF {config['bits']}-bit {config['codec']['kind']}" + (", pages returned" if config["return_pages"] else "")
+    lines = [f"{result['workload']} batch {result['batch']} {result['options']}, {daf_label}: "
              f"medians of {result['steps']} steps "
              f"after {result['warmup']} warm-up, {result['clock']} clock, {result['threads']} thread(s)", f"{'component':34s} {'ms/step':>9s} {'% of fp32':>10s}"]
     for name, seconds in comps.items():

@@ -42,7 +42,6 @@ from daf.codec.minmax import MinMaxCodec, encode
 from daf.codec.spec import Spec
 from daf.config import Outliers
 from daf.format import Packed
-from daf.kernels.layout_ops import transposed
 
 __all__ = ["ChannelCodec", "ChannelPacked", "applies", "outlier_channels", "split_channels", "join_channels",
            "MIN_CHANNELS", "CHANNELS_LAST_CONSUMERS"]
@@ -107,6 +106,12 @@ def largest_magnitude(m: torch.Tensor, dim: int) -> torch.Tensor:
     """max |m| along ``dim`` (NaN where a NaN is), from two reductions that write nothing of ``m``'s size:
     ``m.abs().amax(dim)`` writes a full-size temporary first (2.7x the time at [512, 1536])."""
     return torch.maximum(m.amax(dim), m.amin(dim).neg())
+
+
+def transposed(m: torch.Tensor) -> torch.Tensor:
+    """``daf.kernels.layout_ops.transposed``, imported when first needed (``import daf`` loads no kernels)."""
+    from daf.kernels.layout_ops import transposed as kernel_transpose
+    return kernel_transpose(m)
 
 
 def _inlier_channels(index: torch.Tensor, channels: int) -> torch.Tensor:
