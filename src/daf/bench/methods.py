@@ -23,6 +23,8 @@ def workload_config(workload: str) -> Config:
     """DAF's uniform config for ``workload`` at the bits (and codec) that keep its result."""
     bits = WORKLOAD_BITS.get(workload, 2)
     return Config(bits=bits, codec=Outliers()) if workload in _OUTLIERS else Config(bits=bits)
+
+
 # Workloads of 4-D feature maps, where the channels-last restore (Config.channels_last) applies.
 CONVOLUTIONAL = frozenset({"resnet18-fmnist", "tiny-mnist"})
 
@@ -50,8 +52,8 @@ class Method:
 
 def methods_for(workload: str, cap_bytes: int, quick: bool = False) -> list[Method]:
     """Every method, with the workload's bits; ``quick`` keeps three."""
-    bits = WORKLOAD_BITS.get(workload, 2)
     uniform = workload_config(workload)
+    bits = uniform.bits
     listed = [
         Method("fp32 (system malloc)", allocator="system", notes="plain PyTorch, as a user runs it"),
         Method("fp32", notes="plain PyTorch on DAF's allocator"),
