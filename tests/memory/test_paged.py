@@ -3,6 +3,7 @@
 import errno
 import random
 import time
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -394,3 +395,13 @@ def test_the_config_says_whether_freed_pages_go_back(return_pages):
     assert store._pools[torch.device("cpu")].return_pages is return_pages
     store.release(ref)
     assert Config().return_pages is False  # the default: no fault per page in the next forward
+
+
+def test_returning_pages_off_the_cpu_says_it_does_nothing():
+    store = PagedStore(Config(page_size=PAGE, return_pages=True))
+    with pytest.warns(UserWarning, match="CPU only; the page pool on meta keeps them"):
+        store._pool(torch.device("meta"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store._pool(torch.device("cpu"))
+        PagedStore(Config(page_size=PAGE))._pool(torch.device("meta"))  # not asked for: nothing to say

@@ -30,6 +30,7 @@ import dataclasses
 import struct
 import threading
 import time
+import warnings
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -214,6 +215,9 @@ class PagedStore:
     def _pool(self, device: torch.device) -> PagePool:
         pool = self._pools.get(device)
         if pool is None:
+            if self.return_pages and device.type != "cpu":
+                warnings.warn(f"DAF: Config.return_pages gives freed pages back on the CPU only; the page pool on "
+                              f"{device} keeps them (its memory is the device allocator's)", stacklevel=2)
             pool = self._pools[device] = PagePool(self.page_size, device, self.budget, return_pages=self.return_pages)
         return pool
 
