@@ -26,7 +26,7 @@ __all__ = ["Extension", "load_extension", "simd_flags"]
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp",)
-HEADERS = ("format1.h", "codes.h", "codes_avx2.h", "kernels.h", "masks.h", "nonzeros.h", "transpose.h")
+HEADERS = ("format1.h", "codes.h", "codes_avx2.h", "codes_avx512.h", "kernels.h", "masks.h", "nonzeros.h", "transpose.h")
 
 # -ffp-contract=off: the reference rounds a * b + c twice; a contracted FMA would round once.
 BASE_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")

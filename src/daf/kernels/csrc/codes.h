@@ -5,7 +5,10 @@
 
 #include "format1.h"
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+#include "codes_avx512.h"
+#define DAF_CODES_AVX512 1
+#elif defined(CPU_CAPABILITY_AVX2)
 #include "codes_avx2.h"
 #define DAF_CODES_AVX2 1
 #endif
@@ -103,7 +106,12 @@ inline void encode_span(const float* x, int64_t n, const Scale& s, int64_t index
   alignas(64) uint8_t codes[kChunk];
   alignas(64) uint8_t packed[kChunk];
   int64_t j = 0;
-#ifdef DAF_CODES_AVX2
+#if defined(DAF_CODES_AVX512)
+  if constexpr (BITS < 8) {
+    for (; j + kChunk <= n; j += kChunk)
+      avx512::encode64<BITS, STOCHASTIC>(x + j, s, static_cast<uint32_t>(index + j), key, out + j * BITS / 8);
+  }
+#elif defined(DAF_CODES_AVX2)
   if constexpr (BITS < 8) {
     for (; j + kChunk <= n; j += kChunk)
       avx2::encode64<BITS, STOCHASTIC>(x + j, s, static_cast<uint32_t>(index + j), key, out + j * BITS / 8);
