@@ -8,7 +8,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import daf
-from daf.codec.mask import decode_mask, encode_mask, encode_relu_mask, mask_bytes, two_values
+from daf.codec.mask import decode_mask, decode_relu_mask, encode_mask, encode_relu_mask, mask_bytes, two_values
 
 
 def _bits(t):
@@ -36,6 +36,25 @@ def test_signed_zero_nan_constant_and_channels_last():
     x = (torch.rand(2, 3, 5, 5) > 0.5).float().to(memory_format=torch.channels_last)
     y = decode_mask(encode_mask(x, two_values(x)))
     assert torch.equal(y, x) and y.stride() == x.stride()
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 5, 5), (3, 3, 5, 5), (2, 3, 4)])
+@pytest.mark.parametrize("saved", [torch.contiguous_format, torch.channels_last])
+def test_decoded_channels_last_when_asked(shape, saved):
+    """A 4-D mask saved NCHW comes back channels-last (the layout backward restores); other ranks, and
+    a mask saved channels-last, come back as saved."""
+    x = torch.randn(shape)
+    if len(shape) == 4:
+        x = x.contiguous(memory_format=saved)
+    relu = x.relu()
+    two = (relu > 0) * 2.5
+    for y, want in ((decode_relu_mask(encode_relu_mask(relu), channels_last=True), relu > 0),
+                    (decode_mask(encode_mask(two, two_values(two)), channels_last=True), two)):
+        assert torch.equal(y, want)
+        if len(shape) == 4:
+            assert y.is_contiguous(memory_format=torch.channels_last)
+        else:
+            assert y.stride() == want.stride()
 
 
 def test_more_than_two_values_is_refused():

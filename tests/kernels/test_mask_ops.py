@@ -80,6 +80,37 @@ def test_mask_encode_and_select_are_the_reference_bitwise(extension, n, dtype, s
         assert got.dtype == dtype and torch.equal(got.view(ints), values.view(ints)[(codes != codes[0]).long()])
 
 
+@settings(max_examples=60, deadline=None)
+@given(shape=st.tuples(st.integers(0, 5), st.integers(1, 40), st.integers(1, 9), st.integers(1, 9)),
+       dtype=st.sampled_from([*FLOATS, torch.bool]), seed=st.integers(0, 2**16))
+def test_mask_select_channels_last_is_mask_select_in_that_layout(extension, shape, dtype, seed):
+    """Images whose bits start mid-byte (c * h * w not a multiple of 8) take the reference on the CPU too."""
+    g = torch.Generator().manual_seed(seed)
+    numel = shape[0] * shape[1] * shape[2] * shape[3]
+    bits = torch_bits(torch.rand(numel, generator=g) < 0.5)
+    values = torch.tensor([True, False]) if dtype == torch.bool else torch.tensor([-0.0, 2.5], dtype=dtype)
+    expected = default("mask_select", bits, numel, values).view(shape)
+    for select in (native, default):
+        got = select("mask_select_channels_last", bits, list(shape), values)
+        assert got.is_contiguous(memory_format=torch.channels_last) and got.dtype == dtype and got.shape == shape
+        assert torch.equal(got.view(mask_reference.INT_VIEW[dtype]) if dtype != torch.bool else got,
+                           expected.view(mask_reference.INT_VIEW[dtype]) if dtype != torch.bool else expected)
+
+
+def test_mask_select_channels_last_on_a_resnet_stage_and_bad_shapes(extension):
+    shape = [9, 64, 28, 28]  # several images per thread; the bytes of SSE2 blocks and of the edges
+    numel = 9 * 64 * 28 * 28
+    bits = torch_bits(torch.rand(numel, generator=torch.Generator().manual_seed(0)) < 0.5)
+    values = torch.tensor([False, True])
+    got = native("mask_select_channels_last", bits, shape, values)
+    assert torch.equal(got, native("mask_unpack", bits, numel).view(shape))
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="4-D"):
+        native("mask_select_channels_last", bits, [numel], values)
+    with pytest.raises(ValueError, match="bits must be uint8"):
+        native("mask_select_channels_last", bits[:-1], shape, values)
+
+
 @pytest.mark.parametrize("n", LARGE)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_large_tensors_across_units_threads_and_slices(extension, n, dtype):

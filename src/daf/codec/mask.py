@@ -147,21 +147,33 @@ def mask_bits(packed: MaskPacked) -> torch.Tensor:
     return _ops().mask_unpack(packed.payload, packed.numel)
 
 
-def decode_relu_mask(packed: MaskPacked) -> torch.Tensor:
+def decode_relu_mask(packed: MaskPacked, channels_last: bool = False) -> torch.Tensor:
     """ReLU's saved output as ``threshold_backward`` needs it: bool, True where the gradient passes
-    (output > 0 or NaN); same shape and strides order. A quarter of float32's bytes. O(numel).
+    (output > 0 or NaN); same shape and strides order (``channels_last``: see ``decode_mask``). A
+    quarter of float32's bytes. O(numel).
 
     >>> decode_relu_mask(encode_relu_mask(torch.tensor([0.0, 2.0, float("nan"), -0.0]))).tolist()
     [False, True, True, False]
     """
+    values = torch.tensor([False, True], device=packed.payload.device)
+    if channels_last and _nchw(packed):
+        return _ops().mask_select_channels_last(packed.payload, list(packed.shape), values)
     return restore_memory_order(mask_bits(packed), packed.shape, packed.order)
 
 
-def decode_mask(packed: MaskPacked) -> torch.Tensor:
-    """The tensor of ``packed``: ``high`` where the bit is set, ``low`` elsewhere; same shape and strides order."""
+def decode_mask(packed: MaskPacked, channels_last: bool = False) -> torch.Tensor:
+    """The tensor of ``packed``: ``high`` where the bit is set, ``low`` elsewhere; same shape and strides
+    order. With ``channels_last`` a 4-D record saved NCHW comes back channels-last, written in that
+    layout by one pass (the caller copies any other record into the layout it wants)."""
     values = torch.tensor([packed.low, packed.high], dtype=packed.dtype, device=packed.payload.device)
+    if channels_last and _nchw(packed):
+        return _ops().mask_select_channels_last(packed.payload, list(packed.shape), values)
     flat = _ops().mask_select(packed.payload, packed.numel, values)
     return restore_memory_order(flat, packed.shape, packed.order)
+
+
+def _nchw(packed: MaskPacked) -> bool:
+    return len(packed.shape) == 4 and packed.order == (0, 1, 2, 3)
 
 
 class MaskCodec:
@@ -173,8 +185,8 @@ class MaskCodec:
     def encode(self, x: torch.Tensor, spec: Spec) -> MaskPacked:
         return encode_mask(x, spec.values)
 
-    def decode(self, packed: MaskPacked) -> torch.Tensor:
-        return decode_mask(packed)
+    def decode(self, packed: MaskPacked, channels_last: bool = False) -> torch.Tensor:
+        return decode_mask(packed, channels_last)
 
 
 class ReluMaskCodec(MaskCodec):
@@ -187,5 +199,5 @@ class ReluMaskCodec(MaskCodec):
     def encode(self, x: torch.Tensor, spec: Spec) -> MaskPacked:
         return encode_relu_mask(x)
 
-    def decode(self, packed: MaskPacked) -> torch.Tensor:
-        return decode_relu_mask(packed)
+    def decode(self, packed: MaskPacked, channels_last: bool = False) -> torch.Tensor:
+        return decode_relu_mask(packed, channels_last)

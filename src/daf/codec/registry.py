@@ -116,6 +116,8 @@ class Codecs:
         codes decoded straight into it, other records copied by ``to_channels_last``)."""
         if channels_last and type(packed) is Packed:  # every codes codec decodes plain format-1 as minmax does
             tensor = decode_codes(packed, self.backend, channels_last=True)
+        elif channels_last and isinstance(packed, MaskPacked):  # the mask kernels write that layout themselves
+            tensor = self._decoder_of(packed).decode(packed, channels_last=True)
         else:
             tensor = self._decoder_of(packed).decode(packed)
         return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor

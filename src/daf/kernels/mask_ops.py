@@ -10,6 +10,9 @@ same bytes. All tensors are flat and contiguous, in memory order.
 - ``daf::mask_encode(Tensor x) -> Tensor``: bit set where ``x`` differs bitwise from ``x[0]``
 - ``daf::mask_unpack(Tensor bits, SymInt numel) -> Tensor``: bool [numel]
 - ``daf::mask_select(Tensor bits, SymInt numel, Tensor values) -> Tensor``: ``values[bit]``, bitwise
+- ``daf::mask_select_channels_last(Tensor bits, SymInt[] shape, Tensor values) -> Tensor``: ``mask_select``
+  of a 4-D [n, c, h, w] record whose bits are in NCHW order, returned channels-last (a restored ReLU
+  mask in the layout backward uses, without a second pass to transpose it)
 - ``daf::relu_nonzeros(Tensor x) -> (Tensor values, Tensor ok)``: the elements > 0 (empty and
   ``ok`` False when one is negative or NaN); the size depends on the data
 - ``daf::mask_scatter(Tensor values, Tensor bits, SymInt numel) -> Tensor``: ``values`` where the bit
@@ -32,13 +35,14 @@ from daf.kernels.mask_reference import INT_VIEW, check_count, mask_bytes
 
 __all__ = ["register_native", "native_registered", "MASK_OPS"]
 
-MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_unpack", "mask_select", "relu_nonzeros", "mask_scatter",
-            "nonzeros_decode_scatter")
+MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_unpack", "mask_select", "mask_select_channels_last",
+            "relu_nonzeros", "mask_scatter", "nonzeros_decode_scatter")
 _SCHEMAS = {
     "relu_mask_encode": "(Tensor x) -> Tensor",
     "mask_encode": "(Tensor x) -> Tensor",
     "mask_unpack": "(Tensor bits, SymInt numel) -> Tensor",
     "mask_select": "(Tensor bits, SymInt numel, Tensor values) -> Tensor",
+    "mask_select_channels_last": "(Tensor bits, SymInt[] shape, Tensor values) -> Tensor",
     "relu_nonzeros": "(Tensor x) -> (Tensor values, Tensor ok)",
     "mask_scatter": "(Tensor values, Tensor bits, SymInt numel) -> Tensor",
     "nonzeros_decode_scatter": "(Tensor payload, SymInt count, int bits, int group_size, Tensor mask, "
@@ -100,6 +104,20 @@ def _mask_select(bits: torch.Tensor, numel: int, values: torch.Tensor) -> torch.
     return reference.mask_select(bits, numel, values)
 
 
+def _check_image_shape(shape: list[int]) -> int:
+    """The element count of a 4-D [n, c, h, w] shape."""
+    if len(shape) != 4 or any(size < 0 for size in shape):
+        raise ValueError(f"shape must be 4-D [n, c, h, w] with sizes >= 0, got {list(shape)}")
+    n, c, h, w = shape
+    return n * c * h * w
+
+
+def _mask_select_channels_last(bits: torch.Tensor, shape: list[int], values: torch.Tensor) -> torch.Tensor:
+    numel = _check_image_shape(shape)
+    flat = _mask_select(bits, numel, values)
+    return flat.view(list(shape)).contiguous(memory_format=torch.channels_last)
+
+
 def _relu_nonzeros(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_float(x, "x")
     return reference.relu_nonzeros(x)
@@ -125,7 +143,8 @@ def _nonzeros_decode_scatter(payload: torch.Tensor, count: int, bits: int, group
 
 
 _DEFAULTS = {"relu_mask_encode": _relu_mask_encode, "mask_encode": _mask_encode, "mask_unpack": _mask_unpack,
-             "mask_select": _mask_select, "relu_nonzeros": _relu_nonzeros, "mask_scatter": _mask_scatter,
+             "mask_select": _mask_select, "mask_select_channels_last": _mask_select_channels_last,
+             "relu_nonzeros": _relu_nonzeros, "mask_scatter": _mask_scatter,
              "nonzeros_decode_scatter": _nonzeros_decode_scatter}
 for _name, _kernel in _DEFAULTS.items():
     torch.library.register_kernel(f"daf::{_name}", "default", _kernel)
@@ -151,6 +170,11 @@ def _mask_unpack_fake(bits, numel):
 @torch.library.register_fake("daf::mask_select")
 def _mask_select_fake(bits, numel, values):
     return bits.new_empty(numel, dtype=values.dtype)
+
+
+@torch.library.register_fake("daf::mask_select_channels_last")
+def _mask_select_channels_last_fake(bits, shape, values):
+    return bits.new_empty(list(shape), dtype=values.dtype).contiguous(memory_format=torch.channels_last)
 
 
 @torch.library.register_fake("daf::relu_nonzeros")
@@ -216,6 +240,20 @@ def _native_kernels(ext: ModuleType) -> dict:
                             out.data_ptr())
         return out
 
+    def mask_select_channels_last(bits: torch.Tensor, shape: list[int], values: torch.Tensor) -> torch.Tensor:
+        numel = _check_image_shape(shape)
+        _check_bits(bits, numel)
+        _check_values(values)
+        n, c, h, w = shape
+        if not bits.is_cpu or (c * h * w) % 8:  # the kernel wants every image's bits to start on a byte
+            return _mask_select_channels_last(bits, shape, values)
+        values = values.cpu().contiguous()
+        out = torch.empty(list(shape), dtype=values.dtype, memory_format=torch.channels_last)
+        if numel:
+            ext.mask_select_channels_last(bits.contiguous().data_ptr(), n, c, h * w, values.element_size(),
+                                          values.data_ptr(), out.data_ptr())
+        return out
+
     def relu_nonzeros(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _check_float(x, "x")
         if not x.is_cpu:
@@ -258,7 +296,8 @@ def _native_kernels(ext: ModuleType) -> dict:
         return out
 
     return {"relu_mask_encode": relu_mask_encode, "mask_encode": mask_encode, "mask_unpack": mask_unpack,
-            "mask_select": mask_select, "relu_nonzeros": relu_nonzeros, "mask_scatter": mask_scatter,
+            "mask_select": mask_select, "mask_select_channels_last": mask_select_channels_last,
+            "relu_nonzeros": relu_nonzeros, "mask_scatter": mask_scatter,
             "nonzeros_decode_scatter": nonzeros_decode_scatter}
 
 

@@ -183,6 +183,18 @@ void mask_select(int64_t bits, int64_t n, int64_t width, int64_t values, int64_t
   });
 }
 
+// mask_select of n x c x hw elements (NCHW bits) written NHWC; c * hw a multiple of 8.
+void mask_select_channels_last(int64_t bits, int64_t n, int64_t c, int64_t hw, int64_t width, int64_t values,
+                               int64_t out) {
+  if (n < 0 || c < 0 || hw < 0) throw std::invalid_argument("sizes must be >= 0");
+  if ((c * hw) % 8) throw std::invalid_argument("c * hw must be a multiple of 8, got " + std::to_string(c * hw));
+  with_width(width, [&](auto zero) {
+    using U = decltype(zero);
+    const U* two = at_address<const U>(values);
+    masks::select_channels_last(at_address<const uint8_t>(bits), n, c, hw, two[0], two[1], at_address<U>(out));
+  });
+}
+
 // counts: units(n) int64 slots. Returns how many elements are > 0, or -1 if one is negative or NaN.
 int64_t nonzeros_count(int64_t x, int64_t n, int64_t dtype, int64_t counts) {
   return with_float_bits(dtype, [&](auto zero, auto inf) {
@@ -259,6 +271,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("relu_mask_encode", &daf::relu_mask_encode, "ReLU mask bits not (x <= 0)", py::call_guard<py::gil_scoped_release>());
   m.def("mask_encode", &daf::mask_encode, "two-valued mask bits", py::call_guard<py::gil_scoped_release>());
   m.def("mask_select", &daf::mask_select, "mask bits to one of two values", py::call_guard<py::gil_scoped_release>());
+  m.def("mask_select_channels_last", &daf::mask_select_channels_last,
+        "mask bits of NCHW elements to one of two values, written channels-last",
+        py::call_guard<py::gil_scoped_release>());
   m.def("nonzeros_count", &daf::nonzeros_count, "positives per unit; -1 if negatives or NaN",
         py::call_guard<py::gil_scoped_release>());
   m.def("nonzeros_compact", &daf::nonzeros_compact, "the positives in memory order",

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "codes.h"
+#include "transpose.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -155,6 +156,34 @@ void select(const uint8_t* bits, int64_t n, U low, U high, U* out) {
         select64(codes, low, high, tail);
         std::memcpy(out + j, tail, m * sizeof(U));
       }
+    }
+  });
+}
+
+// select() of n images of c x hw elements whose bits are in NCHW order, written channels-last
+// (NHWC): each image selected into a staging buffer and moved transposed, one pass over the output.
+// c * hw must be a multiple of 8, so that every image's bits start on a whole byte.
+template <typename U>
+void select_channels_last(const uint8_t* bits, int64_t n, int64_t c, int64_t hw, U low, U high, U* out) {
+  const int64_t image = c * hw;
+  at::parallel_for(0, n, std::max<int64_t>(1, transpose::kGrainElements / std::max<int64_t>(1, image)),
+                   [&](int64_t first, int64_t last) {
+    std::vector<U> staged(image);
+    alignas(64) uint8_t codes[kChunk];
+    alignas(64) U tail[kChunk];
+    for (int64_t i = first; i < last; ++i) {
+      const uint8_t* own = bits + i * image / 8;
+      for (int64_t j = 0; j < image; j += kChunk) {
+        const int64_t m = std::min(kChunk, image - j);
+        codes_at(own, j, m, codes);
+        if (m == kChunk) {
+          select64(codes, low, high, staged.data() + j);
+        } else {
+          select64(codes, low, high, tail);
+          std::memcpy(staged.data() + j, tail, m * sizeof(U));
+        }
+      }
+      transpose::image_to_nhwc(staged.data(), out + i * image, c, hw);
     }
   });
 }
