@@ -35,6 +35,7 @@ def test_defaults_are_valid():
     ("page_size", 5000, "power of two"),
     ("background", "yes", "True or False"),
     ("return_pages", 1, "True or False"),
+    ("decommit", "yes", "True or False"),
     ("floors", {"layer_norm": 3}, "bits in (1, 2, 4, 8)"),
     ("floors", {"": 4}, "torch function names"),
     ("floors", "layer_norm=4", "e.g. {'layer_norm': 4}"),

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from daf.allocator.native import AllocatorStatus
+from daf.allocator.native import decommit_freed_memory
 from daf.allocator.native import install as install_allocator
 from daf.allocator.native import status as _allocator_status
 from daf.config import Config
@@ -223,6 +224,8 @@ def _config(config: Config | None, overrides: dict[str, Any]) -> Config:
 def _session(config: Config) -> Session:
     # The allocator first: the savings reach the process only if freed temporaries' memory is reused.
     install_allocator(config.allocator)
+    if config.decommit:
+        decommit_freed_memory()
     return Session(config)
 
 

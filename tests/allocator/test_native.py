@@ -205,6 +205,43 @@ def test_wrap_installs_the_allocator():
     assert result["counted"] > 0
 
 
+@needs_tcmalloc
+@pytest.mark.parametrize("preload", [False, True])
+def test_config_decommit_makes_tcmalloc_give_freed_memory_back(preload):
+    """In-process and preloaded alike: the property is set, and a freed 64 MiB block leaves RSS at once
+    (without it tcmalloc keeps it for reuse)."""
+    result = _child("""
+        import torch, daf
+        from daf.allocator.native import decommits
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096
+        before = decommits()
+        model = daf.wrap(torch.nn.Linear(8, 8), decommit=True)
+        block = torch.ones(64 << 20, dtype=torch.uint8)
+        held = rss()
+        del block
+        emit(before=before, after=decommits(), released=held - rss(), mode=daf.allocator_status().mode)
+    """, env=_env(LD_PRELOAD=TCMALLOC) if preload else None)
+    assert result["mode"] == ("preloaded" if preload else "in-process")
+    assert result["before"] is False and result["after"] is True
+    assert result["released"] > 48 * MIB
+
+
+def test_config_decommit_without_tcmalloc_warns_once_and_changes_nothing():
+    result = _child("""
+        import torch, daf
+        from daf.allocator.native import decommits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                daf.wrap(torch.nn.Linear(8, 8), allocator="system", decommit=True)
+        emit(messages=[str(w.message) for w in caught if "decommit" in str(w.message)], decommits=decommits())
+    """)
+    assert len(result["messages"]) == 1 and "Config.decommit has no effect" in result["messages"][0]
+    assert "libtcmalloc-minimal4" in result["messages"][0]
+    assert result["decommits"] is False
+
+
 def test_wrap_with_the_system_allocator_installs_nothing():
     result = _child("""
         import torch, daf

@@ -142,9 +142,13 @@ def test_every_method(workload):
     by_name = {m.name: m for m in methods}
     assert by_name["checkpoint"].checkpoint and by_name["checkpoint"].daf is None
     assert by_name["compile budget 0.5"].compile
+    assert by_name["fp32 decommit"].decommit and by_name["fp32 decommit"].daf is None
+    decommit = by_name[f"DAF {bits}-bit decommit"]
+    assert decommit.decommit and decommit.daf == workload_config(workload).replace(decommit=True)
+    assert [m.name for m in methods if m.decommit] == ["fp32 decommit", f"DAF {bits}-bit decommit"]
     assert by_name[f"DAF {bits}-bit + checkpoint"].checkpoint and by_name[f"DAF {bits}-bit + checkpoint"].daf
     for method in methods:
-        assert set(method.to_dict()) == {"name", "daf", "checkpoint", "compile", "allocator", "notes"}
+        assert set(method.to_dict()) == {"name", "daf", "checkpoint", "compile", "allocator", "decommit", "notes"}
         if method.daf is not None:
             assert method.daf.bits == bits
             assert method.to_dict()["daf"] == method.daf.to_dict()

@@ -16,7 +16,10 @@ from pathlib import Path
 
 from daf.allocator.libraries import ALLOCATORS, resolve
 
-__all__ = ["AllocatorStatus", "TensorBytes", "install", "status", "preloaded", "tensor_bytes", "release_free_memory"]
+__all__ = ["AllocatorStatus", "TensorBytes", "install", "status", "preloaded", "tensor_bytes", "release_free_memory",
+           "decommit_freed_memory", "decommits"]
+
+_DECOMMIT = b"tcmalloc.aggressive_memory_decommit"
 
 SOURCE = Path(__file__).with_name("csrc") / "allocator.cpp"
 
@@ -145,6 +148,44 @@ def release_free_memory() -> list[str]:
     except AttributeError:  # not glibc
         pass
     return asked
+
+
+def decommit_freed_memory() -> bool:
+    """Make the allocator give every freed block back to the system at once (tcmalloc's aggressive
+    decommit, ``MallocExtension_SetNumericProperty``): the process's RSS follows its live memory,
+    and memory reused after a free is faulted in again. True when set; else (not on tcmalloc, or a
+    build without the property) one warning per process and False. Process-wide: it stays set.
+    """
+    current = status()
+    reason = f"{current.name} is the allocator of this process's tensors"
+    if current.name == "tcmalloc" and current.path is not None:
+        try:
+            if ctypes.CDLL(current.path).MallocExtension_SetNumericProperty(_DECOMMIT, ctypes.c_size_t(1)):
+                return True
+            reason = f"tcmalloc at {current.path} does not know the property {_DECOMMIT.decode()}"
+        except (OSError, AttributeError) as error:  # a build without the extension API
+            reason = f"tcmalloc at {current.path} has no MallocExtension API ({error})"
+    _warn_once(f"DAF: Config.decommit has no effect: {reason}; only tcmalloc gives freed memory back at once "
+               f"(apt-get install libtcmalloc-minimal4, Config.allocator 'auto' or 'tcmalloc')")
+    return False
+
+
+def decommits() -> bool:
+    """Whether this process's tensor allocator gives freed memory back at once (``decommit_freed_memory``)."""
+    current = status()
+    if current.name != "tcmalloc" or current.path is None:
+        return False
+    value = ctypes.c_size_t(0)
+    try:
+        found = ctypes.CDLL(current.path).MallocExtension_GetNumericProperty(_DECOMMIT, ctypes.byref(value))
+    except (OSError, AttributeError):
+        return False
+    return bool(found) and value.value == 1
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 @dataclass(frozen=True)

@@ -34,20 +34,21 @@ class Method:
     """One way to train: DAF's config (None: no DAF; its allocator is replaced by ``allocator``),
     per-block recomputation, ``torch.compile`` with a recomputation budget, and the allocator
     ("system": as a plain PyTorch user runs; "auto": DAF's, installed in-process before anything
-    is allocated)."""
+    is allocated), which with ``decommit`` gives freed memory back at once (``Config.decommit``)."""
 
     name: str
     daf: Config | None = None
     checkpoint: bool = False
     compile: bool = False
     allocator: str = "auto"
+    decommit: bool = False
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         daf = None if self.daf is None else self.daf.to_dict()
         return {"name": self.name, "daf": daf, "checkpoint": self.checkpoint, "compile": self.compile,
-                "allocator": self.allocator, "notes": self.notes}
+                "allocator": self.allocator, "decommit": self.decommit, "notes": self.notes}
 
 
 def methods_for(workload: str, cap_bytes: int, quick: bool = False) -> list[Method]:
@@ -68,6 +69,9 @@ def methods_for(workload: str, cap_bytes: int, quick: bool = False) -> list[Meth
         Method(f"DAF {bits}-bit + checkpoint", daf=uniform, checkpoint=True),
         Method(f"DAF {bits}-bit budget", daf=uniform.replace(budget=cap_bytes // 8),
                notes=f"stored activations capped at 1/8 of the RAM cap ({cap_bytes // 8 >> 20} MiB); the rest spills"),
+        Method("fp32 decommit", decommit=True, notes="plain PyTorch on DAF's allocator, freed memory given back at once"),
+        Method(f"DAF {bits}-bit decommit", daf=uniform.replace(decommit=True), decommit=True,
+               notes="Config.decommit: freed memory given back at once (page faults for memory)"),
     ]
     if bits == 8 or workload in _NO_ADAPTIVE:  # an adaptive average of 8 is uniform 8
         listed = [m for m in listed if not m.name.startswith("DAF adaptive")]

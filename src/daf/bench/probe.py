@@ -18,6 +18,9 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
     method = spec["method"]
     if method["allocator"] != "system":
         install(method["allocator"])  # before the first tensor, as daf.wrap would
+    if method.get("decommit"):
+        from daf.allocator.native import decommit_freed_memory
+        decommit_freed_memory()
     import torch
 
     import daf
