@@ -80,7 +80,8 @@ def test_what_cannot_be_one_comparison_is_refused_naming_the_files(pair):
     assert "not a daf results file" in _refusal([("x.json", {"runs": {}})])
     # where tensors come from, which kernels run and the rounding seed are not the method: those runs combine
     elsewhere = _at_seed(compressed, 1, 0.9)
-    elsewhere["config"] = daf.Config(bits=2, allocator="system", backend="reference", channels_last=False, seed=5).to_dict()
+    elsewhere["config"] = daf.Config(bits=2, allocator="system", decommit=True, backend="reference", channels_last=False,
+                                     seed=5).to_dict()
     assert list(combine_records([("a.json", wrap(_at_seed(compressed, 0, 0.9))), ("b.json", wrap(elsewhere))])[0]) == [0, 1]
 
 

@@ -68,8 +68,8 @@ def format_seed_summary(summary: dict[str, Any]) -> str:
 # -- ``daf seeds FILE...``: one summary over runs made at different times ----------------------------
 
 _SAME_FOR_ALL = ("workload", "steps_requested", "batch")
-# where tensors come from, which kernels run (and the layout they get) and the rounding seed: not what is compared
-_NOT_THE_METHOD = ("allocator", "backend", "channels_last", "seed")
+# where tensors come from (and whether freed memory is kept), which kernels run (and the layout they get) and the rounding seed: not what is compared
+_NOT_THE_METHOD = ("allocator", "decommit", "backend", "channels_last", "seed")
 
 
 def _method(config: dict[str, Any] | None) -> dict[str, Any] | None:
