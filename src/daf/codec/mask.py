@@ -67,7 +67,7 @@ class MaskPacked(Packed):
 @dataclass
 class ReluMaskPacked(MaskPacked):
     """ReLU's own saved output (``encode_relu_mask``): for ``threshold_backward`` only, which takes
-    the bool tensor ``decode_relu_mask`` gives in place of the float output."""
+    the 0/1 tensor ``decode_relu_mask`` gives in place of the output."""
 
 
 def _chunks(numel: int, first: int = _CHUNK) -> Iterator[tuple[int, int]]:
@@ -148,17 +148,18 @@ def mask_bits(packed: MaskPacked) -> torch.Tensor:
 
 
 def decode_relu_mask(packed: MaskPacked, channels_last: bool = False) -> torch.Tensor:
-    """ReLU's saved output as ``threshold_backward`` needs it: bool, True where the gradient passes
-    (output > 0 or NaN); same shape and strides order (``channels_last``: see ``decode_mask``). A
-    quarter of float32's bytes. O(numel).
+    """ReLU's saved output as ``threshold_backward`` needs it: 1 where the gradient passes (output > 0
+    or NaN), 0 elsewhere, in the output's dtype; same shape and strides order (``channels_last``: see
+    ``decode_mask``). O(numel).
+
+    In the output's dtype rather than bool: ``threshold_backward`` casts a bool ``self`` to the
+    gradient's dtype inside the call, a full-size copy that cost a ResNet-18 step at batch 128 about
+    10 ms and made a float tensor beside the bool one anyway (docs/memory.md).
 
     >>> decode_relu_mask(encode_relu_mask(torch.tensor([0.0, 2.0, float("nan"), -0.0]))).tolist()
-    [False, True, True, False]
+    [0.0, 1.0, 1.0, 0.0]
     """
-    values = torch.tensor([False, True], device=packed.payload.device)
-    if channels_last and _nchw(packed):
-        return _ops().mask_select_channels_last(packed.payload, list(packed.shape), values)
-    return restore_memory_order(mask_bits(packed), packed.shape, packed.order)
+    return decode_mask(packed, channels_last)
 
 
 def decode_mask(packed: MaskPacked, channels_last: bool = False) -> torch.Tensor:
