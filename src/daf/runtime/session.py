@@ -209,17 +209,22 @@ class Session:
                 tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0)
 
     def _context(self, site: str, tensor: torch.Tensor, op: OpCall | None) -> Context:
+        parameter = is_parameter(tensor, self._parameter_storages)
+        common = dict(site=site, op=op, is_parameter=parameter, masks=self.config.masks,
+                      min_numel=self.config.min_numel, nonzeros_only=self.policy.codes_nonzeros_only,
+                      bits_for=self._bits_for)
+        if parameter or tensor.numel() < max(self.config.min_numel, 1):
+            # Routed by rules 1-3 alone (a parameter; or too small to compress: kept, or a cast of a
+            # parameter): no earlier record, product or remake is read, so none is looked up (two
+            # thirds of a ResNet's saves are weights and batch norm statistics).
+            return Context(**common, shared=None, relu_mask=None)
         arguments = op.weight_arguments if tensor.grad_fn is None and op is not None else []
         input_made_here = bool(arguments) and (self.sites.made_in_forward(tensor) or made_in_call(tensor, arguments))
         if input_made_here and op.func in ATTENTION_FUNCTIONS:  # q, k, v reshaped; not logsumexp, read through exp
             input_made_here = any(a.numel() == tensor.numel() for a in arguments)
-        return Context(site=site, op=op, is_parameter=is_parameter(tensor, self._parameter_storages),
-                       input_made_here=input_made_here, product_of=self._product_of(tensor),
-                       remake=self._remake_of(tensor),
-                       shared=self._shareable(tensor, op), relu_mask=self._relu_masks.get(tensor),
-                       masks=self.config.masks,
-                       min_numel=self.config.min_numel, nonzeros_only=self.policy.codes_nonzeros_only,
-                       bits_for=self._bits_for)
+        return Context(**common, input_made_here=input_made_here, product_of=self._product_of(tensor),
+                       remake=self._remake_of(tensor), shared=self._shareable(tensor, op),
+                       relu_mask=self._relu_masks.get(tensor))
 
     def _shareable(self, tensor: torch.Tensor, op: OpCall | None) -> "_Saved | None":
         """The record of an earlier save of ``tensor`` in this forward, if ``op`` may read it."""
