@@ -173,3 +173,23 @@ def test_channels_last_lowers_the_peak_of_backward():
         pytest.skip("DAF's allocator is not installed in this process (no tcmalloc)")
     full_size = 32 * 32 * 28 * 28 * 4
     assert backward_peak(True) <= backward_peak(False) - 0.9 * full_size  # the exact figure: 1.01 full sizes
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_the_raw_input_batch_of_a_convolution_comes_back_channels_last(channels, channels_last):
+    """Kept raw, it is handed to the convolution's backward as a channels-last copy, exactly strided (a
+    one-channel batch is channels-last by its size-1 dimension only, which PyTorch reads as NCHW and
+    answers by copying the gradient into NCHW); the batch the caller holds is not touched."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(channels, 8, 3, padding=1)
+    x = torch.randn(4, channels, 12, 12)
+    (plain,) = torch.autograd.grad(conv(x).square().sum(), conv.weight)
+    model = daf.wrap(conv, bits=8, min_numel=1, channels_last=channels_last)
+    out = model(x)
+    restored = out.grad_fn._saved_input
+    assert (restored.stride() == (channels * 144, 1, 12 * channels, channels)) is channels_last
+    assert (restored is x) is not channels_last
+    assert torch.equal(restored, x) and x.is_contiguous()
+    (got,) = torch.autograd.grad(out.square().sum(), conv.weight)
+    assert torch.allclose(got, plain, rtol=1e-4, atol=1e-5 * plain.abs().max().item())

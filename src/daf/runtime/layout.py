@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from daf.tracing import OpCall
 
-__all__ = ["CHANNELS_LAST_FUNCTIONS", "reads_any_layout", "restores_channels_last"]
+__all__ = ["CHANNELS_LAST_FUNCTIONS", "reads_any_layout", "restores_channels_last", "restores_raw_channels_last"]
 
 
 def _channels_last_functions() -> frozenset:
@@ -40,3 +40,19 @@ def restores_channels_last(tensor: torch.Tensor, op: OpCall | None, enabled: boo
     already, saved by an op whose backward reads any layout (``reads_any_layout``)."""
     return (enabled and reads_any_layout(op) and tensor.dim() == 4 and tensor.device.type == "cpu"
             and not tensor.is_contiguous(memory_format=torch.channels_last))
+
+
+def restores_raw_channels_last(tensor: torch.Tensor, op: OpCall | None, enabled: bool) -> bool:
+    """Whether ``tensor``, kept raw (the input batch of a network's first convolution), is handed to
+    ``op``'s backward as a channels-last copy: as for a restored save, and also when it is channels-last
+    only by its size-1 dimensions (a one-channel image batch), which PyTorch's convolution reads as
+    NCHW and answers by copying the channels-last gradient into NCHW. The copy costs the input's size
+    (a few channels), the NCHW gradient would cost the output's."""
+    if not (enabled and reads_any_layout(op) and tensor.dim() == 4 and tensor.device.type == "cpu"):
+        return False
+    return tensor.stride() != _channels_last_strides(tensor.shape)
+
+
+def _channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
+    n, c, h, w = shape
+    return (h * w * c, 1, w * c, c)

@@ -23,7 +23,7 @@ from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
-from daf.runtime.layout import reads_any_layout, restores_channels_last
+from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
 from daf.runtime.route import Context, Encoding, Kind, Remake, route
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
                          attention_output_of, is_parameter, made_in_call, masked_product_of, normalized_output_of,
@@ -101,15 +101,18 @@ class _Source:
 
 
 class _Kept:
-    """A tensor autograd keeps as it is (raw, or a parameter), with its version at pack time."""
+    """A tensor autograd keeps as it is (raw, or a parameter), with its version at pack time; with
+    ``channels_last`` it is handed to backward as a channels-last copy (``restores_raw_channels_last``)."""
 
-    __slots__ = ("tensor", "version", "site")
+    __slots__ = ("tensor", "version", "site", "channels_last")
 
-    def __init__(self, tensor: torch.Tensor, site: str) -> None:
-        self.tensor, self.version, self.site = tensor, tensor._version, site
+    def __init__(self, tensor: torch.Tensor, site: str, channels_last: bool = False) -> None:
+        self.tensor, self.version, self.site, self.channels_last = tensor, tensor._version, site, channels_last
 
     def unpack(self) -> torch.Tensor:
         _check_version(self.tensor, self.version, self.site)
+        if self.channels_last:
+            return torch.empty_like(self.tensor, memory_format=torch.channels_last).copy_(self.tensor)
         return self.tensor
 
 
@@ -205,8 +208,9 @@ class Session:
         if encoding.kind is Kind.DERIVED:
             x, mask = encoding.data
             return DerivedProduct(tensor, x, mask, context.site, _Source(tensor), self.unpack), 0
-        return (_Kept(tensor, context.site),
-                tensor.numel() * tensor.element_size() if encoding.kind is Kind.RAW else 0)
+        raw = encoding.kind is Kind.RAW
+        channels_last = raw and restores_raw_channels_last(tensor, context.op, self.config.channels_last)
+        return _Kept(tensor, context.site, channels_last), tensor.numel() * tensor.element_size() if raw else 0
 
     def _context(self, site: str, tensor: torch.Tensor, op: OpCall | None) -> Context:
         parameter = is_parameter(tensor, self._parameter_storages)
