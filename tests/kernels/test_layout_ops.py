@@ -44,10 +44,10 @@ def test_kernel_copy_equals_pytorchs_channels_last_copy(extension, n, c, h, w, d
 
 
 @pytest.mark.parametrize("shape", [(2, 48, 5, 7), (1, 16, 4, 4), (3, 33, 17, 1), (2, 64, 28, 28)])
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.float32, torch.bfloat16, torch.int16])
 def test_kernel_copy_of_whole_and_partial_blocks(extension, shape, dtype):
-    """Every element distinct (bytes: modulo 256), so a misplaced one shows: 16 x 16 byte blocks and
-    8 x 8 float blocks, with the rows and columns they leave."""
+    """Every element distinct (bytes: modulo 256; int16: modulo 65536), so a misplaced one shows: 16 x 16
+    byte blocks, 8 x 8 half-word and word blocks, with the rows and columns they leave."""
     x = torch.arange(torch.Size(shape).numel()).view(shape)
     x = (x % 2 == 0) if dtype == torch.bool else (x % 256 if dtype == torch.uint8 else x).to(dtype)
     assert torch.equal(layout_ops.channels_last_copy(x), x.contiguous(memory_format=torch.channels_last))

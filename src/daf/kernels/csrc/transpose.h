@@ -55,6 +55,28 @@ inline void transpose_16x16_bytes(const uint8_t* src, int64_t ld_src, uint8_t* d
 }
 #endif
 
+#if defined(__SSE2__)
+// An 8 x 8 block of 16-bit values (bfloat16 and float16 bit patterns): three rounds of SSE2 unpacks.
+inline void transpose_8x8_halfwords(const uint16_t* src, int64_t ld_src, uint16_t* dst, int64_t ld_dst) {
+  __m128i r[8], a[8], b[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+  for (int i = 0; i < 4; ++i) {  // rows 2i, 2i+1 interleaved: columns 0-3, then 4-7
+    a[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 4h..4h+3: columns (0,1), (2,3), (4,5), (6,7)
+    b[4 * h] = _mm_unpacklo_epi32(a[4 * h], a[4 * h + 2]);
+    b[4 * h + 1] = _mm_unpackhi_epi32(a[4 * h], a[4 * h + 2]);
+    b[4 * h + 2] = _mm_unpacklo_epi32(a[4 * h + 1], a[4 * h + 3]);
+    b[4 * h + 3] = _mm_unpackhi_epi32(a[4 * h + 1], a[4 * h + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // columns 2k and 2k+1 of all 8 rows
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * k) * ld_dst), _mm_unpacklo_epi64(b[k], b[4 + k]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * k + 1) * ld_dst), _mm_unpackhi_epi64(b[k], b[4 + k]));
+  }
+}
+#endif
+
 #if defined(__AVX__)
 // An 8 x 8 block of 32-bit values: unpacks, shuffles and lane swaps move bit patterns unchanged.
 // Written here because at::vec's 8 x 8 transpose is vectorized only in its AVX2 build; under
@@ -100,6 +122,16 @@ inline void move_block(const U* src, int64_t ld_src, U* dst, int64_t ld_dst, int
     }
   }
 #if defined(__SSE2__)
+  if constexpr (sizeof(U) == 2) {  // 8 x 8 blocks of half words
+    c_blocks = c0 + (c1 - c0) / 8 * 8;
+    p_blocks = p0 + (p1 - p0) / 8 * 8;
+    for (int64_t ch = c0; ch < c_blocks; ch += 8) {
+      for (int64_t p = p0; p < p_blocks; p += 8) {
+        transpose_8x8_halfwords(reinterpret_cast<const uint16_t*>(src + ch * ld_src + p), ld_src,
+                                reinterpret_cast<uint16_t*>(dst + p * ld_dst + ch), ld_dst);
+      }
+    }
+  }
   if constexpr (sizeof(U) == 1) {  // 16 x 16 blocks of bytes
     c_blocks = c0 + (c1 - c0) / 16 * 16;
     p_blocks = p0 + (p1 - p0) / 16 * 16;
