@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -101,48 +102,47 @@ inline void transpose_8x8_words(const float* src, int64_t ld_src, float* dst, in
 }
 #endif
 
-// dst[p * ld_dst + ch] = src[ch * ld_src + p] for ch in [c0, c1), p in [p0, p1).
+// Square B x B blocks of [c0, c1) x [p0, p1), each moved by transpose(block src, block dst); returns the
+// ends the whole blocks reached (c0 + whole multiples of B, p0 + the same), for the caller's tail.
+template <int B, typename U, typename Transpose>
+inline std::pair<int64_t, int64_t> move_whole_blocks(const U* src, int64_t ld_src, U* dst, int64_t ld_dst, int64_t c0,
+                                                      int64_t c1, int64_t p0, int64_t p1, Transpose transpose) {
+  const int64_t c_blocks = c0 + (c1 - c0) / B * B, p_blocks = p0 + (p1 - p0) / B * B;
+  for (int64_t ch = c0; ch < c_blocks; ch += B) {
+    for (int64_t p = p0; p < p_blocks; p += B) transpose(src + ch * ld_src + p, dst + p * ld_dst + ch);
+  }
+  return {c_blocks, p_blocks};
+}
+
+// dst[p * ld_dst + ch] = src[ch * ld_src + p] for ch in [c0, c1), p in [p0, p1): whole blocks through
+// registers where the element width has a block transpose (moving bit patterns is exact), then the rest.
 template <typename U>
 inline void move_block(const U* src, int64_t ld_src, U* dst, int64_t ld_dst, int64_t c0, int64_t c1, int64_t p0,
                        int64_t p1) {
-  int64_t c_blocks = c0, p_blocks = p0;
-  if constexpr (sizeof(U) == 4) {  // 8 x 8 blocks through registers; moving float bit patterns is exact
-    c_blocks = c0 + (c1 - c0) / 8 * 8;
-    p_blocks = p0 + (p1 - p0) / 8 * 8;
-    for (int64_t ch = c0; ch < c_blocks; ch += 8) {
-      for (int64_t p = p0; p < p_blocks; p += 8) {
+  std::pair<int64_t, int64_t> reached{c0, p0};
+  if constexpr (sizeof(U) == 4) {
+    reached = move_whole_blocks<8>(src, ld_src, dst, ld_dst, c0, c1, p0, p1, [&](const U* from, U* to) {
 #if defined(__AVX__)
-        transpose_8x8_words(reinterpret_cast<const float*>(src + ch * ld_src + p), ld_src,
-                            reinterpret_cast<float*>(dst + p * ld_dst + ch), ld_dst);
+      transpose_8x8_words(reinterpret_cast<const float*>(from), ld_src, reinterpret_cast<float*>(to), ld_dst);
 #else
-        at::vec::transpose_mxn<float, 8, 8>(reinterpret_cast<const float*>(src + ch * ld_src + p), ld_src,
-                                            reinterpret_cast<float*>(dst + p * ld_dst + ch), ld_dst);
+      at::vec::transpose_mxn<float, 8, 8>(reinterpret_cast<const float*>(from), ld_src, reinterpret_cast<float*>(to),
+                                          ld_dst);
 #endif
-      }
-    }
+    });
   }
 #if defined(__SSE2__)
-  if constexpr (sizeof(U) == 2) {  // 8 x 8 blocks of half words
-    c_blocks = c0 + (c1 - c0) / 8 * 8;
-    p_blocks = p0 + (p1 - p0) / 8 * 8;
-    for (int64_t ch = c0; ch < c_blocks; ch += 8) {
-      for (int64_t p = p0; p < p_blocks; p += 8) {
-        transpose_8x8_halfwords(reinterpret_cast<const uint16_t*>(src + ch * ld_src + p), ld_src,
-                                reinterpret_cast<uint16_t*>(dst + p * ld_dst + ch), ld_dst);
-      }
-    }
+  if constexpr (sizeof(U) == 2) {
+    reached = move_whole_blocks<8>(src, ld_src, dst, ld_dst, c0, c1, p0, p1, [&](const U* from, U* to) {
+      transpose_8x8_halfwords(reinterpret_cast<const uint16_t*>(from), ld_src, reinterpret_cast<uint16_t*>(to), ld_dst);
+    });
   }
-  if constexpr (sizeof(U) == 1) {  // 16 x 16 blocks of bytes
-    c_blocks = c0 + (c1 - c0) / 16 * 16;
-    p_blocks = p0 + (p1 - p0) / 16 * 16;
-    for (int64_t ch = c0; ch < c_blocks; ch += 16) {
-      for (int64_t p = p0; p < p_blocks; p += 16) {
-        transpose_16x16_bytes(reinterpret_cast<const uint8_t*>(src + ch * ld_src + p), ld_src,
-                              reinterpret_cast<uint8_t*>(dst + p * ld_dst + ch), ld_dst);
-      }
-    }
+  if constexpr (sizeof(U) == 1) {
+    reached = move_whole_blocks<16>(src, ld_src, dst, ld_dst, c0, c1, p0, p1, [&](const U* from, U* to) {
+      transpose_16x16_bytes(reinterpret_cast<const uint8_t*>(from), ld_src, reinterpret_cast<uint8_t*>(to), ld_dst);
+    });
   }
 #endif
+  const auto [c_blocks, p_blocks] = reached;
   for (int64_t p = p0; p < p1; ++p) {  // what the blocks left: the last rows and columns
     U* row = dst + p * ld_dst;
     for (int64_t ch = (p < p_blocks ? c_blocks : c0); ch < c1; ++ch) row[ch] = src[ch * ld_src + p];
