@@ -140,23 +140,29 @@ inline void select64(const uint8_t* __restrict codes, const U low, const U high,
   for (int k = 0; k < kChunk; ++k) out[k] = codes[k] ? high : low;
 }
 
+// out[j] = bit j ? high : low for j in [0, n), the bits starting on a whole byte.
+template <typename U>
+inline void select_span(const uint8_t* bits, int64_t n, U low, U high, U* out) {
+  alignas(64) uint8_t codes[kChunk];
+  alignas(64) U tail[kChunk];
+  for (int64_t j = 0; j < n; j += kChunk) {
+    const int64_t m = std::min(kChunk, n - j);
+    codes_at(bits, j, m, codes);
+    if (m == kChunk) {
+      select64(codes, low, high, out + j);
+    } else {
+      select64(codes, low, high, tail);
+      std::memcpy(out + j, tail, m * sizeof(U));
+    }
+  }
+}
+
 // out[j] = values[bit j]: the two values as bit patterns (U is bool's uint8_t for bool masks).
 template <typename U>
 void select(const uint8_t* bits, int64_t n, U low, U high, U* out) {
   at::parallel_for(0, units(n), kGrainUnits, [=](int64_t first, int64_t last) {
-    alignas(64) uint8_t codes[kChunk];
-    alignas(64) U tail[kChunk];
-    const int64_t end = std::min(n, last * kUnit);
-    for (int64_t j = first * kUnit; j < end; j += kChunk) {
-      const int64_t m = std::min(kChunk, end - j);
-      codes_at(bits, j, m, codes);
-      if (m == kChunk) {
-        select64(codes, low, high, out + j);
-      } else {
-        select64(codes, low, high, tail);
-        std::memcpy(out + j, tail, m * sizeof(U));
-      }
-    }
+    const int64_t start = first * kUnit, end = std::min(n, last * kUnit);
+    select_span(bits + start / 8, end - start, low, high, out + start);
   });
 }
 
@@ -169,20 +175,8 @@ void select_channels_last(const uint8_t* bits, int64_t n, int64_t c, int64_t hw,
   at::parallel_for(0, n, std::max<int64_t>(1, transpose::kGrainElements / std::max<int64_t>(1, image)),
                    [&](int64_t first, int64_t last) {
     std::vector<U> staged(image);
-    alignas(64) uint8_t codes[kChunk];
-    alignas(64) U tail[kChunk];
     for (int64_t i = first; i < last; ++i) {
-      const uint8_t* own = bits + i * image / 8;
-      for (int64_t j = 0; j < image; j += kChunk) {
-        const int64_t m = std::min(kChunk, image - j);
-        codes_at(own, j, m, codes);
-        if (m == kChunk) {
-          select64(codes, low, high, staged.data() + j);
-        } else {
-          select64(codes, low, high, tail);
-          std::memcpy(staged.data() + j, tail, m * sizeof(U));
-        }
-      }
+      select_span(bits + i * image / 8, image, low, high, staged.data());
       transpose::image_to_nhwc(staged.data(), out + i * image, c, hw);
     }
   });
