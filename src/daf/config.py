@@ -388,7 +388,8 @@ class Config:
             tensors: for a run that must fit under a RAM cap. Every page reused after a free is faulted
             in again: ResNet-18 under a 3 GiB cap trains batch 2246 instead of 1694, with steps about 1.7x
             slower on a 2-core VM (docs/allocator.md). Process-wide and one-way, like the allocator;
-            only tcmalloc has it (others: one warning, no effect).
+            only tcmalloc has it (others: one warning, no effect); CPU tensors only (a device's memory
+            is its own allocator's).
         floors: the fewest bits for what named torch functions save, above whatever the policy gives:
             ``{"layer_norm": 4, "scaled_dot_product_attention": 4}`` (names as ``torch.nn.functional``
             spells them; the site's op in ``daf.report``). Kept as sorted ``(name, bits)`` pairs; a

@@ -135,12 +135,12 @@ def release_free_memory() -> list[str]:
     (after loading, before training), not per step.
     """
     asked = []
-    current = status()
-    if current.name == "tcmalloc" and current.path is not None:
+    tcmalloc = _tcmalloc()
+    if tcmalloc is not None:
         try:
-            ctypes.CDLL(current.path).MallocExtension_ReleaseFreeMemory()
+            tcmalloc.MallocExtension_ReleaseFreeMemory()
             asked.append("tcmalloc")
-        except (OSError, AttributeError):  # a tcmalloc build without the extension API
+        except AttributeError:  # a tcmalloc build without the extension API
             pass
     try:
         ctypes.CDLL(None).malloc_trim(0)  # Python's objects stay on glibc unless tcmalloc is preloaded
@@ -150,21 +150,33 @@ def release_free_memory() -> list[str]:
     return asked
 
 
+def _tcmalloc() -> ctypes.CDLL | None:
+    """The tcmalloc library this process's tensors come from (in-process or preloaded), else None."""
+    current = status()
+    if current.name != "tcmalloc" or current.path is None:
+        return None
+    try:
+        return ctypes.CDLL(current.path)
+    except OSError:
+        return None
+
+
 def decommit_freed_memory() -> bool:
     """Make the allocator give every freed block back to the system at once (tcmalloc's aggressive
     decommit, ``MallocExtension_SetNumericProperty``): the process's RSS follows its live memory,
-    and memory reused after a free is faulted in again. True when set; else (not on tcmalloc, or a
-    build without the property) one warning per process and False. Process-wide: it stays set.
+    and memory reused after a free is faulted in again. CPU memory only: a device's memory is its own
+    allocator's. True when set; else (not on tcmalloc, or a build without the property) one warning
+    per process and False. Process-wide: it stays set.
     """
-    current = status()
-    reason = f"{current.name} is the allocator of this process's tensors"
-    if current.name == "tcmalloc" and current.path is not None:
+    tcmalloc = _tcmalloc()
+    reason = f"{status().name} is the allocator of this process's tensors"
+    if tcmalloc is not None:
         try:
-            if ctypes.CDLL(current.path).MallocExtension_SetNumericProperty(_DECOMMIT, ctypes.c_size_t(1)):
+            if tcmalloc.MallocExtension_SetNumericProperty(_DECOMMIT, ctypes.c_size_t(1)):
                 return True
-            reason = f"tcmalloc at {current.path} does not know the property {_DECOMMIT.decode()}"
-        except (OSError, AttributeError) as error:  # a build without the extension API
-            reason = f"tcmalloc at {current.path} has no MallocExtension API ({error})"
+            reason = f"tcmalloc does not know the property {_DECOMMIT.decode()}"
+        except AttributeError as error:  # a build without the extension API
+            reason = f"tcmalloc has no MallocExtension API ({error})"
     _warn_once(f"DAF: Config.decommit has no effect: {reason}; only tcmalloc gives freed memory back at once "
                f"(apt-get install libtcmalloc-minimal4, Config.allocator 'auto' or 'tcmalloc')")
     return False
@@ -172,13 +184,11 @@ def decommit_freed_memory() -> bool:
 
 def decommits() -> bool:
     """Whether this process's tensor allocator gives freed memory back at once (``decommit_freed_memory``)."""
-    current = status()
-    if current.name != "tcmalloc" or current.path is None:
-        return False
+    tcmalloc = _tcmalloc()
     value = ctypes.c_size_t(0)
     try:
-        found = ctypes.CDLL(current.path).MallocExtension_GetNumericProperty(_DECOMMIT, ctypes.byref(value))
-    except (OSError, AttributeError):
+        found = tcmalloc is not None and tcmalloc.MallocExtension_GetNumericProperty(_DECOMMIT, ctypes.byref(value))
+    except AttributeError:
         return False
     return bool(found) and value.value == 1
 
