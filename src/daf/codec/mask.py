@@ -191,7 +191,8 @@ class MaskCodec:
 
 
 class ReluMaskCodec(MaskCodec):
-    """ReLU's own saved output as the bit ``not (result <= 0)``: for ``threshold_backward`` only."""
+    """ReLU's own saved output as the bit ``not (result <= 0)``: for ``threshold_backward`` only. Decoded
+    as any mask (``decode_relu_mask`` is ``decode_mask``: 0 and 1 in the output's dtype)."""
 
     name = "relu_mask"
 
@@ -199,6 +200,3 @@ class ReluMaskCodec(MaskCodec):
 
     def encode(self, x: torch.Tensor, spec: Spec) -> MaskPacked:
         return encode_relu_mask(x)
-
-    def decode(self, packed: MaskPacked, channels_last: bool = False) -> torch.Tensor:
-        return decode_relu_mask(packed, channels_last)

@@ -38,8 +38,12 @@ def reads_any_layout(op: OpCall | None) -> bool:
 def restores_channels_last(tensor: torch.Tensor, op: OpCall | None, enabled: bool) -> bool:
     """Whether ``tensor``, saved by ``op``, is restored channels-last: a 4-D CPU tensor not in that layout
     already, saved by an op whose backward reads any layout (``reads_any_layout``)."""
-    return (enabled and reads_any_layout(op) and tensor.dim() == 4 and tensor.device.type == "cpu"
-            and not tensor.is_contiguous(memory_format=torch.channels_last))
+    return _restorable(tensor, op, enabled) and not tensor.is_contiguous(memory_format=torch.channels_last)
+
+
+def _restorable(tensor: torch.Tensor, op: OpCall | None, enabled: bool) -> bool:
+    """A 4-D CPU tensor saved by an op whose backward reads any layout, with the restore turned on."""
+    return enabled and reads_any_layout(op) and tensor.dim() == 4 and tensor.device.type == "cpu"
 
 
 def restores_raw_channels_last(tensor: torch.Tensor, op: OpCall | None, enabled: bool) -> bool:
@@ -48,9 +52,7 @@ def restores_raw_channels_last(tensor: torch.Tensor, op: OpCall | None, enabled:
     only by its size-1 dimensions (a one-channel image batch), which PyTorch's convolution reads as
     NCHW and answers by copying the channels-last gradient into NCHW. The copy costs the input's size
     (a few channels), the NCHW gradient would cost the output's."""
-    if not (enabled and reads_any_layout(op) and tensor.dim() == 4 and tensor.device.type == "cpu"):
-        return False
-    return tensor.stride() != _channels_last_strides(tensor.shape)
+    return _restorable(tensor, op, enabled) and tensor.stride() != _channels_last_strides(tensor.shape)
 
 
 def _channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
