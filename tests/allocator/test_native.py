@@ -227,6 +227,56 @@ def test_config_decommit_makes_tcmalloc_give_freed_memory_back(preload):
     assert result["released"] > 48 * MIB
 
 
+def _without_huge_page_switch(**extra):
+    env = _env(**extra)
+    if "THP_MEM_ALLOC_ENABLE" not in extra:
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
+    return env
+
+
+def _transparent_huge_pages() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+@needs_tcmalloc
+@pytest.mark.skipif(_transparent_huge_pages() != "madvise", reason="needs transparent huge pages on 'madvise'")
+def test_config_decommit_puts_large_tensors_in_huge_pages():
+    """In-process: a 64 MiB tensor is in 4 KiB pages before and mostly in 2 MiB pages after
+    (the kernel grants them only to advised memory in this mode)."""
+    result = _child("""
+        import re, torch, daf
+        from daf.allocator.native import huge_pages
+        def huge():
+            return int(re.search(r"AnonHugePages:\\s+(\\d+) kB", open("/proc/self/smaps_rollup").read())[1]) << 10
+        daf.wrap(torch.nn.Linear(8, 8))
+        first = torch.ones(64 << 20, dtype=torch.uint8)
+        before, advised_before = huge(), huge_pages()
+        daf.wrap(torch.nn.Linear(8, 8), decommit=True)
+        second = torch.ones(64 << 20, dtype=torch.uint8)
+        emit(before=before, after=huge(), advised=[advised_before, huge_pages()], mode=daf.allocator_status().mode,
+             same=bool((second == first).all()))
+    """, env=_without_huge_page_switch())
+    assert result["mode"] == "in-process" and result["advised"] == [False, True] and result["same"]
+    assert result["before"] < 2 * MIB
+    assert result["after"] - result["before"] >= 32 * MIB
+
+
+@needs_tcmalloc
+@pytest.mark.parametrize("switch", [None, "0", "1"])
+def test_pytorch_huge_page_switch_is_kept_by_the_in_process_allocator(switch):
+    result = _child("""
+        import torch, daf
+        from daf.allocator.native import huge_pages
+        daf.wrap(torch.nn.Linear(8, 8))
+        emit(mode=daf.allocator_status().mode, huge=huge_pages())
+    """, env=_without_huge_page_switch(**({} if switch is None else {"THP_MEM_ALLOC_ENABLE": switch})))
+    assert result == {"mode": "in-process", "huge": switch == "1"}
+
+
 def test_config_decommit_without_tcmalloc_warns_once_and_changes_nothing():
     result = _child("""
         import torch, daf

@@ -79,6 +79,24 @@ def test_print_env_prints_an_export_line_and_runs_nothing():
     assert done.stdout.splitlines() == [f"export LD_PRELOAD={TCMALLOC}"]
 
 
+@needs_tcmalloc
+def test_print_env_with_decommit_adds_tcmalloc_and_pytorch_switches():
+    done = _daf_run("--decommit", "--print-env")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"export LD_PRELOAD={TCMALLOC}", "export TCMALLOC_AGGRESSIVE_DECOMMIT=true",
+                                        "export THP_MEM_ALLOC_ENABLE=1"]
+
+
+@needs_tcmalloc
+def test_decommit_reaches_the_child_process():
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "THP_MEM_ALLOC_ENABLE")}
+    done = _daf_run("--decommit", "--", sys.executable, "-c",
+                    "import daf; from daf.allocator.native import decommits, huge_pages; "
+                    "print(daf.allocator_status().mode, decommits(), huge_pages())", env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["preloaded", "True", "True"]
+
+
 def test_print_env_for_the_system_allocator_prints_nothing():
     done = _daf_run("--allocator", "system", "--print-env")
     assert done.returncode == 0 and done.stdout == ""
@@ -147,6 +165,17 @@ def test_the_named_allocator_is_preloaded(no_exec, tmp_path, monkeypatch):
     [(_, _, env)] = no_exec
     assert env["LD_PRELOAD"] == str(fake)
     assert {k: v for k, v in env.items() if k != "LD_PRELOAD"} == dict(os.environ)
+
+
+def test_decommit_on_another_allocator_warns_and_sets_nothing(no_exec, tmp_path, monkeypatch, capsys):
+    (tmp_path / "libjemalloc.so.2").write_bytes(b"")
+    monkeypatch.setattr(libraries, "_search_dirs", lambda: [str(tmp_path)])
+    with pytest.raises(SystemExit):
+        main(["run", "--allocator", "jemalloc", "--decommit", "--", "true"])
+    [(_, _, env)] = no_exec
+    assert "TCMALLOC_AGGRESSIVE_DECOMMIT" not in env and env.get("THP_MEM_ALLOC_ENABLE") == os.environ.get(
+        "THP_MEM_ALLOC_ENABLE")
+    assert "--decommit has no effect: it needs tcmalloc" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

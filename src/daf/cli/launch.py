@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allocator", default="auto", choices=("auto", "system", *ALLOCATORS),
                         help="the allocator to preload: auto (the best found, tcmalloc first; default), "
                              "system (run as is), or a name")
+    parser.add_argument("--decommit", action="store_true",
+                        help="tcmalloc gives freed memory back at once and PyTorch puts large tensors in huge "
+                             "pages (Config.decommit for the whole process: lower peak, slower steps)")
     parser.add_argument("--print-env", action="store_true",
                         help="print the variables the command would get (for a shell's eval) and run nothing")
     parser.add_argument("to_run", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -33,6 +36,8 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Replace this process with ``args.command`` under the allocator (returns only for --print-env)."""
     command = args.to_run[1:] if args.to_run[:1] == ["--"] else args.to_run
     extra = preload_env(args.allocator)
+    if args.decommit:
+        extra.update(_decommit_env(args.allocator))
     if args.print_env:
         for key, value in extra.items():
             print(f"export {key}={value}")
@@ -48,3 +53,14 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     sys.stderr.flush()
     os.execvpe(command[0], command, {**os.environ, **extra})
     return 127  # not reached: exec replaced this process
+
+
+def _decommit_env(allocator: str) -> dict[str, str]:
+    """tcmalloc's aggressive decommit and PyTorch's huge pages for its tensors (which a process
+    must have from its first allocation), as ``Config.decommit`` does in-process; nothing but a
+    warning when the allocator is not tcmalloc."""
+    resolved = resolve(allocator)
+    if resolved.name != "tcmalloc" or resolved.path is None:
+        print(f"daf run: warning: --decommit has no effect: it needs tcmalloc ({resolved.reason})", file=sys.stderr)
+        return {}
+    return {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true", "THP_MEM_ALLOC_ENABLE": "1"}
