@@ -386,8 +386,9 @@ class Config:
         decommit: the allocator gives freed memory back to the system at once instead of keeping it
             for reuse (tcmalloc's aggressive decommit), so the process's peak follows the peak of live
             tensors: for a run that must fit under a RAM cap. Every page reused after a free is faulted
-            in again: ResNet-18 under a 3 GiB cap trains batch 2246 instead of 1694, with steps about 1.7x
-            slower on a 2-core VM (docs/allocator.md). Process-wide and one-way, like the allocator;
+            in again, large tensors in 2 MiB huge pages where the kernel allows: ResNet-18 under a 3 GiB
+            cap trains batch 2347 instead of 1694, with steps about 1.3x slower on a 2-core VM
+            (docs/allocator.md). Process-wide and one-way, like the allocator;
             only tcmalloc has it (others: one warning, no effect); CPU tensors only (a device's memory
             is its own allocator's).
         floors: the fewest bits for what named torch functions save, above whatever the policy gives:
