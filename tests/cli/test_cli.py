@@ -204,6 +204,33 @@ def test_train_runs_the_whole_process_on_the_allocator_unless_system(tmp_path, a
         assert used["mode"] == "preloaded" and used["path"] == resolve("auto").path
 
 
+def test_train_decommit_reaches_both_arms_and_the_whole_process(tmp_path):
+    """--decommit: each arm's process gives freed memory back at once (tcmalloc) with PyTorch's huge-page
+    switch set at its start (daf train started itself again with both); the DAF config records it."""
+    from daf.allocator import resolve
+    if resolve("auto").name != "tcmalloc":
+        pytest.skip("needs tcmalloc (apt-get install libtcmalloc-minimal4)")
+    path = tmp_path / "compare.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "THP_MEM_ALLOC_ENABLE")}
+    done = subprocess.run(_daf("compare", "tiny-mnist", "--steps", "1", *TINY, "--decommit", "--json", str(path),
+                               "--no-plots", "--no-progress"), capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    runs = json.loads(path.read_text())["runs"]
+    assert runs["fp32"]["decommit"] is True and runs["daf"]["decommit"] is True
+    assert runs["fp32"]["huge_pages"] is True and runs["daf"]["huge_pages"] is True
+    assert runs["daf"]["config"]["decommit"] is True and runs["fp32"]["config"] is None
+    assert runs["fp32"]["allocator"]["mode"] == runs["daf"]["allocator"]["mode"] == "preloaded"
+
+
+def test_train_without_decommit_records_it_off(tmp_path):
+    path = tmp_path / "run.json"
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, "--no-plots", "--allocator", "system", "--no-progress",
+                 "--json", str(path)]) == 0
+    run = json.loads(path.read_text())["runs"]["daf"]
+    assert run["decommit"] is False and run["config"]["decommit"] is False
+    assert run["huge_pages"] is (os.environ.get("THP_MEM_ALLOC_ENABLE") == "1")
+
+
 def test_main_called_from_python_never_replaces_the_calling_process(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("daf.cli.main must not exec: it would replace the caller (a test runner)")

@@ -7,7 +7,8 @@ machine and says how to use it, for a whole process (``LD_PRELOAD``) or, in-proc
 CPU tensors.
 """
 
-from daf.allocator.libraries import (ALLOCATORS, INSTALL_HINTS, PREFERENCE, Resolved, find_library, preload_env,
-                                     resolve)
+from daf.allocator.libraries import (ALLOCATORS, INSTALL_HINTS, PREFERENCE, Resolved, decommit_env, find_library,
+                                     preload_env, resolve)
 
-__all__ = ["ALLOCATORS", "INSTALL_HINTS", "PREFERENCE", "Resolved", "find_library", "preload_env", "resolve"]
+__all__ = ["ALLOCATORS", "INSTALL_HINTS", "PREFERENCE", "Resolved", "decommit_env", "find_library", "preload_env",
+           "resolve"]

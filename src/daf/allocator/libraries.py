@@ -14,7 +14,8 @@ import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ALLOCATORS", "INSTALL_HINTS", "PREFERENCE", "Resolved", "find_library", "preload_env", "resolve"]
+__all__ = ["ALLOCATORS", "INSTALL_HINTS", "PREFERENCE", "Resolved", "decommit_env", "find_library", "preload_env",
+           "resolve"]
 
 # Shared-library names of each allocator, best first (tcmalloc's minimal build has no heap profiler).
 ALLOCATORS: dict[str, tuple[str, ...]] = {
@@ -89,3 +90,14 @@ def preload_env(name: str = "auto", environ: Mapping[str, str] | None = None) ->
     if resolved.path in existing:
         return {}
     return {"LD_PRELOAD": ":".join([resolved.path, *existing])}
+
+
+def decommit_env(name: str) -> dict[str, str]:
+    """The variables that make a process started with ``name`` preloaded give freed memory back at
+    once (tcmalloc's aggressive decommit) and put large tensors in huge pages (PyTorch's own switch,
+    which it reads at its first allocation): ``Config.decommit`` for a whole process. {} unless
+    ``name`` resolves to tcmalloc, the only allocator with it."""
+    resolved = resolve(name)
+    if resolved.name != "tcmalloc" or resolved.path is None:
+        return {}
+    return {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true", "THP_MEM_ALLOC_ENABLE": "1"}

@@ -114,6 +114,9 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     run.add_argument("--allocator", default="auto", choices=("auto", "system", *ALLOCATORS),
                      help="where the run's CPU tensors come from: auto (the best found, tcmalloc first; "
                           "default), system, or a name (docs/allocator.md)")
+    run.add_argument("--decommit", action="store_true",
+                     help="give freed memory back to the system at once, large tensors in huge pages (both arms; "
+                          "Config.decommit): a lower peak for slower steps, for a run under a RAM cap")
     run.add_argument("--trace-step", type=_non_negative_int, default=2,
                      help="the step whose activation bytes and memory timeline are recorded (2)")
     compress = parser.add_argument_group("DAF (passed to daf.Config)")
@@ -259,6 +262,8 @@ def _train_argv(args: argparse.Namespace, fp32: bool, seed: int | None = None) -
         argv += ["-O", f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"]
     if args.no_progress:
         argv.append("--no-progress")
+    if args.decommit:
+        argv.append("--decommit")
     if fp32:
         argv.append("--fp32")
     else:
@@ -300,14 +305,17 @@ def _finish(args: argparse.Namespace, argv: list[str], runs: dict[str, dict[str,
 _WHOLE_PROCESS = "DAF_TRAIN_PRELOADED"
 
 
-def _run_on_the_whole_process_allocator(argv: list[str], allocator: str) -> None:
+def _run_on_the_whole_process_allocator(argv: list[str], allocator: str, decommit: bool) -> None:
     """Start this ``daf train`` again with the allocator preloaded (``daf run``'s convention), so that
     every malloc of the run is tcmalloc's, not only PyTorch's tensors (docs/allocator.md: the same
-    peak, 100 MiB less growth in training). Returns when there is nothing to preload."""
+    peak, 100 MiB less growth in training); with ``decommit``, also PyTorch's huge-page switch, which
+    only a new process can take. Returns when there is nothing to preload."""
     import os
 
-    from daf.allocator import preload_env
+    from daf.allocator import decommit_env, preload_env
     extra = preload_env(allocator)
+    if extra and decommit:
+        extra.update(decommit_env(allocator))
     if not extra or os.environ.get(_WHOLE_PROCESS):
         return
     sys.stdout.flush()
@@ -339,10 +347,10 @@ def _fail(message: str) -> int:
 def _train(args: argparse.Namespace, argv: list[str], options: dict[str, Any], config: Config | None,
            whole_process: bool = False) -> int:
     if whole_process:
-        _run_on_the_whole_process_allocator(argv, args.allocator)
+        _run_on_the_whole_process_allocator(argv, args.allocator, args.decommit)
     from daf.workloads.train import RunSettings, run_training
     settings = RunSettings(args.workload, options, args.steps, args.batch, config, args.trace_step,
-                           progress=not args.no_progress, allocator=args.allocator)
+                           progress=not args.no_progress, allocator=args.allocator, decommit=args.decommit)
     try:
         record = run_training(settings)
     except KeyboardInterrupt:

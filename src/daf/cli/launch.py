@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 
-from daf.allocator.libraries import ALLOCATORS, preload_env, resolve
+from daf.allocator.libraries import ALLOCATORS, decommit_env, preload_env, resolve
 
 __all__ = ["add_arguments", "launch"]
 
@@ -37,7 +37,10 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     command = args.to_run[1:] if args.to_run[:1] == ["--"] else args.to_run
     extra = preload_env(args.allocator)
     if args.decommit:
-        extra.update(_decommit_env(args.allocator))
+        extra.update(decommit_env(args.allocator))
+        if not extra.get("TCMALLOC_AGGRESSIVE_DECOMMIT"):
+            print(f"daf run: warning: --decommit has no effect: it needs tcmalloc ({resolve(args.allocator).reason})",
+                  file=sys.stderr)
     if args.print_env:
         for key, value in extra.items():
             print(f"export {key}={value}")
@@ -54,13 +57,3 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     os.execvpe(command[0], command, {**os.environ, **extra})
     return 127  # not reached: exec replaced this process
 
-
-def _decommit_env(allocator: str) -> dict[str, str]:
-    """tcmalloc's aggressive decommit and PyTorch's huge pages for its tensors (which a process
-    must have from its first allocation), as ``Config.decommit`` does in-process; nothing but a
-    warning when the allocator is not tcmalloc."""
-    resolved = resolve(allocator)
-    if resolved.name != "tcmalloc" or resolved.path is None:
-        print(f"daf run: warning: --decommit has no effect: it needs tcmalloc ({resolved.reason})", file=sys.stderr)
-        return {}
-    return {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true", "THP_MEM_ALLOC_ENABLE": "1"}

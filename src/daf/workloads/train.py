@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from daf.allocator.native import install as install_allocator
-from daf.allocator.native import release_free_memory
+from daf.allocator.native import decommit_freed_memory, huge_pages, release_free_memory
 from daf.config import Config
 from daf.workloads import get_workload
 from daf.workloads.base import Workload
@@ -37,7 +37,8 @@ _WARMUP_STEPS = 2
 @dataclass
 class RunSettings:
     """One arm: the workload and its options, the length of the run, and the DAF config (None: fp32;
-    its allocator is replaced by ``allocator``, which the fp32 arm uses too).
+    its allocator is replaced by ``allocator``, which the fp32 arm uses too; ``decommit``, both arms:
+    the allocator gives freed memory back at once, ``Config.decommit``).
 
     ``steps``/``batch`` of None take the workload's defaults; ``trace_step`` is the step whose
     activation bytes and memory timeline are recorded (the last step if the run is shorter).
@@ -51,6 +52,7 @@ class RunSettings:
     trace_step: int = 2
     progress: bool = True
     allocator: str = "auto"
+    decommit: bool = False
 
     @property
     def arm(self) -> str:
@@ -86,9 +88,9 @@ def _progress(total: int, description: str, enabled: bool) -> Any:
                 mininterval=0.5 if interactive else 15.0, file=sys.stderr)
 
 
-def _wrap(model: nn.Module, config: Config, allocator: str) -> dict[str, Any]:
+def _wrap(model: nn.Module, config: Config, allocator: str, decommit: bool) -> dict[str, Any]:
     import daf
-    config = config.replace(allocator=allocator)
+    config = config.replace(allocator=allocator, decommit=decommit or config.decommit)
     daf.wrap(model, config)
     return config.to_dict()
 
@@ -106,10 +108,12 @@ def run_training(settings: RunSettings) -> dict[str, Any]:
     }
     # Before any tensor of the run: both arms on the same allocator, or fp32 as a plain user runs it.
     record["allocator"] = dataclasses.asdict(install_allocator(settings.allocator))
+    record["decommit"] = settings.decommit and decommit_freed_memory()  # fp32 too: the same memory regime
+    record["huge_pages"] = huge_pages()
     load_start = time.perf_counter()
     model = workload.build_model()
     record["init_digest"] = _digest_parameters(model)
-    record["config"] = None if settings.daf is None else _wrap(model, settings.daf, settings.allocator)
+    record["config"] = None if settings.daf is None else _wrap(model, settings.daf, settings.allocator, settings.decommit)
     optimizer, schedule = workload.optimizer(model, steps)
     batches = workload.batches(batch, steps)
     first = next(batches)  # loads the data now, so that loading is not counted in step 0
