@@ -277,6 +277,133 @@ def test_pytorch_huge_page_switch_is_kept_by_the_in_process_allocator(switch):
     assert result == {"mode": "in-process", "huge": switch == "1"}
 
 
+# --- large blocks: kept memory moved between sizes (csrc/allocator.cpp) ---------------------------
+
+_LARGE_COUNTERS = """
+import ctypes
+from daf.allocator.native import _library
+def counters():
+    out = (ctypes.c_uint64 * 6)()
+    _library().daf_allocator_large_counters(out)
+    return dict(zip(["whole", "moved", "moves", "fresh", "kept", "live"], out))
+"""
+
+
+def _large_child(code):
+    return _child(_LARGE_COUNTERS + textwrap.dedent(code))
+
+
+@needs_tcmalloc
+@pytest.mark.parametrize("seed", [0, 1])
+def test_large_blocks_keep_every_value_and_stay_within_the_most_ever_live(seed):
+    """Random sizes (not multiples of anything) allocated and freed in a random order: every tensor
+    holds what was written into it, page order included, when it is freed, while kept memory is
+    handed out whole and moved between sizes; and the new memory the blocks ever took is no more than
+    the most that was live at once (rounded to 64 KiB per block): nothing kept goes unused."""
+    result = _large_child(f"""
+        import random, torch, daf, daf.allocator.native
+        from daf.allocator.native import LARGE_BLOCKS_FROM
+        daf.wrap(torch.nn.Linear(8, 8))
+        rng = random.Random({seed})
+        grain = 64 << 10
+        live, live_bytes, most, bad = {{}}, 0, 0, []
+        def pattern(n, key):  # 251 bytes over and over: a page in the wrong place shows
+            return (torch.arange(251, dtype=torch.uint8) + key % 256).repeat(n // 251 + 1)[:n]
+        def check_and_free(key):
+            global live_bytes
+            tensor, size = live.pop(key)
+            if not torch.equal(tensor, pattern(tensor.numel(), key)):
+                bad.append(key)
+            live_bytes -= size
+        for key in range(160):
+            if live and (len(live) > 6 or rng.random() < 0.45):
+                check_and_free(rng.choice(list(live)))
+            n = rng.randrange(LARGE_BLOCKS_FROM, 5 * LARGE_BLOCKS_FROM)
+            tensor = torch.empty(n, dtype=torch.uint8)
+            tensor.copy_(pattern(n, key))
+            live[key] = (tensor, -(-n // grain) * grain)
+            live_bytes += live[key][1]
+            most = max(most, live_bytes)
+        del tensor
+        for key in list(live):
+            check_and_free(key)
+        # many kept blocks smaller than the next one: it is assembled from several of them
+        small = [torch.empty(LARGE_BLOCKS_FROM + 12345 * i, dtype=torch.uint8) for i in range(24)]
+        del small
+        for key in range(1000, 1004):
+            n = 7 * LARGE_BLOCKS_FROM + 4321 * key
+            live[key] = (torch.empty(n, dtype=torch.uint8).copy_(pattern(n, key)), 0)
+        for key in list(live):
+            check_and_free(key)
+        emit(bad=bad, most=most, peak=daf.allocator.native.tensor_bytes().peak_bytes, **counters())
+    """)
+    assert result["bad"] == []
+    assert result["whole"] + result["moves"] > 0 and result["moved"] > 0  # both ways of reuse ran
+    # the peak counts every tensor alive at once, the checks' temporaries too
+    assert result["most"] <= result["peak"] and result["fresh"] <= result["peak"]
+    assert result["live"] == 0 and result["kept"] == result["fresh"]
+
+
+@needs_tcmalloc
+def test_large_blocks_from_threads_keep_their_values():
+    result = _large_child("""
+        import threading, torch, daf
+        daf.wrap(torch.nn.Linear(8, 8))
+        bad = []
+        def work(index):
+            for round in range(12):
+                n = (9 + (index * 7 + round * 5) % 23) << 20
+                tensor = torch.full((n,), (index * 31 + round) % 256, dtype=torch.uint8)
+                if not bool((tensor == (index * 31 + round) % 256).all()):
+                    bad.append((index, round))
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        emit(bad=bad, **counters())
+    """)
+    assert result["bad"] == [] and result["live"] == 0 and result["whole"] + result["moves"] > 0
+
+
+@needs_tcmalloc
+def test_release_free_memory_gives_kept_large_blocks_back():
+    result = _large_child("""
+        import torch, daf
+        from daf.allocator.native import release_free_memory
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096
+        daf.wrap(torch.nn.Linear(8, 8))
+        block = torch.ones(64 << 20, dtype=torch.uint8)
+        del block
+        kept = counters()["kept"]
+        held = rss()
+        asked = release_free_memory()
+        emit(kept=kept, released=held - rss(), asked=asked, after=counters()["kept"])
+    """)
+    assert result["kept"] == 64 * MIB and result["after"] == 0 and "daf" in result["asked"]
+    assert result["released"] > 48 * MIB
+
+
+@needs_tcmalloc
+def test_decommit_turns_large_blocks_off_and_frees_them_at_once():
+    result = _large_child("""
+        import torch, daf
+        from daf.allocator.native import _library
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096
+        daf.wrap(torch.nn.Linear(8, 8))
+        before = _library().daf_allocator_large_from()
+        early = torch.ones(64 << 20, dtype=torch.uint8)  # a large block, alive when decommit starts
+        daf.wrap(torch.nn.Linear(8, 8), decommit=True)
+        held = rss()
+        del early
+        emit(before=before, after=_library().daf_allocator_large_from(), released=held - rss(), **counters())
+    """)
+    assert result["before"] > 0 and result["after"] == 0
+    assert result["released"] > 48 * MIB and result["kept"] == 0 and result["live"] == 0
+
+
 def test_config_decommit_without_tcmalloc_warns_once_and_changes_nothing():
     result = _child("""
         import torch, daf

@@ -23,6 +23,8 @@ _DECOMMIT = b"tcmalloc.aggressive_memory_decommit"
 # PyTorch's own switch for its CPU allocator (c10/core/alloc_cpu.cpp), read at its first allocation.
 _TORCH_HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
 _HUGE_PAGES_FROM = 2 << 20  # PyTorch's threshold for the same advice
+# Tensors from this size on are DAF's large blocks (csrc/allocator.cpp): a step's full-size tensors.
+LARGE_BLOCKS_FROM = 8 << 20
 
 SOURCE = Path(__file__).with_name("csrc") / "allocator.cpp"
 
@@ -75,6 +77,9 @@ def _library() -> ctypes.CDLL:
     for counter in (library.daf_allocator_live_bytes, library.daf_allocator_peak_bytes):
         counter.restype = ctypes.c_int64
     library.daf_allocator_set_huge_pages_from.argtypes = [ctypes.c_size_t]
+    library.daf_allocator_set_large_from.argtypes = [ctypes.c_size_t]
+    for counter in (library.daf_allocator_large_from, library.daf_allocator_release_large_cache):
+        counter.restype = ctypes.c_uint64
     library.daf_allocator_huge_pages_from.restype = ctypes.c_size_t
     return library
 
@@ -113,6 +118,8 @@ def install(name: str = "auto") -> AllocatorStatus:
         return AllocatorStatus("system", "system", None, reason)
     if os.environ.get(_TORCH_HUGE_PAGES) == "1":  # PyTorch's switch, kept when DAF replaces its allocator
         library.daf_allocator_set_huge_pages_from(_HUGE_PAGES_FROM)
+    if not decommits():  # freed large blocks kept as movable pages (csrc/allocator.cpp); decommit unmaps them
+        library.daf_allocator_set_large_from(LARGE_BLOCKS_FROM)
     return status()
 
 
@@ -142,6 +149,9 @@ def release_free_memory() -> list[str]:
     (after loading, before training), not per step.
     """
     asked = []
+    if _library.cache_info().currsize and status().mode == "in-process":
+        _library().daf_allocator_release_large_cache()
+        asked.append("daf")
     tcmalloc = _tcmalloc()
     if tcmalloc is not None:
         try:
@@ -186,6 +196,7 @@ def decommit_freed_memory() -> bool:
             if tcmalloc.MallocExtension_SetNumericProperty(_DECOMMIT, ctypes.c_size_t(1)):
                 if current.mode == "in-process":
                     _library().daf_allocator_set_huge_pages_from(_HUGE_PAGES_FROM)
+                    _library().daf_allocator_set_large_from(0)  # tcmalloc decommits; large blocks would keep
                 return True
             reason = f"tcmalloc does not know the property {_DECOMMIT.decode()}"
         except AttributeError as error:  # a build without the extension API

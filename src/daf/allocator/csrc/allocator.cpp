@@ -15,8 +15,12 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
+#include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -63,17 +67,172 @@ void advise_huge_pages(void* data, size_t nbytes) {
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
+// Large tensors: memory pages that move, not a heap that splits.
+//
+// tcmalloc serves a large block from a span of its heap and keeps the span when it is freed; a later
+// request that fits no free span grows the heap, while the free spans stay resident. A training step
+// allocates full-size tensors of several sizes in turn (ResNet-18 at batch 512: 98, 49, 25 MiB), so
+// the spans split and the heap ends a third above the most that is ever live (833 against 620 MiB).
+// Here every block of `large_from` bytes or more is a mapping of its own. A freed block is kept
+// resident; the next block of the same size takes it as it is, and a block of another size takes
+// kept memory wherever it is by moving it into its own range (mremap moves page tables, not bytes:
+// no copy, no fault, no zeroing). So resident memory follows the most that is live at once, at full
+// speed: nothing is given back, as with tcmalloc, but nothing kept is unusable.
+constexpr size_t kAtom = size_t{2} << 20;  // alignment of a block's start: a move of 2 MiB is one entry
+constexpr size_t kGrain = size_t{64} << 10;  // sizes are rounded to this (little waste on 12 MiB blocks)
+
+struct LargeBlocks {
+  std::mutex mutex;
+  std::atomic<size_t> from{0};                     // 0: large blocks come from the library too
+  std::unordered_map<uintptr_t, size_t> live;      // block -> its bytes (whole grains)
+  std::multimap<size_t, uintptr_t> kept;           // freed ranges, resident: bytes -> start
+  size_t kept_bytes = 0;
+  uint64_t reused_whole = 0;                       // blocks handed out again as they were
+  uint64_t moved_bytes = 0;                        // moved into another block
+  uint64_t moves = 0;                              // mremap calls
+  uint64_t fresh_bytes = 0;                        // new memory, faulted in on first touch
+};
+
+LargeBlocks g_large;
+
+size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
+
+// `size` bytes of address space starting on an atom boundary, or 0.
+uintptr_t reserve_aligned(size_t size) {
+  const size_t span = size + kAtom;
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return 0;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t start = round_up(begin, kAtom);
+  if (start > begin) munmap(raw, start - begin);
+  const uintptr_t end = begin + span;
+  if (end > start + size) munmap(reinterpret_cast<void*>(start + size), end - start - size);
+  return start;
+}
+
+void keep(uintptr_t start, size_t size) {
+  g_large.kept.emplace(size, start);
+  g_large.kept_bytes += size;
+}
+
+bool move(uintptr_t from, uintptr_t to, size_t size) {
+  ++g_large.moves;
+  return mremap(reinterpret_cast<void*>(from), size, size, MREMAP_MAYMOVE | MREMAP_FIXED,
+                reinterpret_cast<void*>(to)) != MAP_FAILED;
+}
+
+// Moves `size` bytes at `from` to `to`: one call when the range is one mapping, else in smaller
+// pieces (a range assembled from moved ones is several mappings, which one call cannot move).
+// `moved` says how far it got; false if the system refused a piece (what did not move stays put).
+bool move_range(uintptr_t from, uintptr_t to, size_t size, size_t* moved) {
+  *moved = 0;
+  if (move(from, to, size)) {
+    *moved = size;
+    return true;
+  }
+  for (size_t step : {kAtom, kGrain}) {
+    while (*moved < size) {
+      const size_t piece = std::min(step, size - *moved);
+      if (!move(from + *moved, to + *moved, piece)) break;
+      *moved += piece;
+    }
+  }
+  return *moved == size;
+}
+
+// A block of at least `nbytes`: a kept range of its size as it is, else kept memory moved into a new
+// range; new memory only for what is not kept. nullptr when the system refuses.
+void* allocate_large(size_t nbytes, size_t* size_out) {
+  const size_t size = round_up(nbytes, kGrain);
+  *size_out = size;
+  {
+    std::lock_guard<std::mutex> guard(g_large.mutex);
+    auto same = g_large.kept.find(size);
+    if (same != g_large.kept.end()) {
+      const uintptr_t block = same->second;
+      g_large.kept.erase(same);
+      g_large.kept_bytes -= size;
+      ++g_large.reused_whole;
+      g_large.live.emplace(block, size);
+      return reinterpret_cast<void*>(block);
+    }
+  }
+  const uintptr_t block = reserve_aligned(size);
+  if (block == 0) return nullptr;
+  std::lock_guard<std::mutex> guard(g_large.mutex);
+  size_t filled = 0;
+  while (filled < size && !g_large.kept.empty()) {
+    const size_t need = size - filled;
+    auto pick = g_large.kept.lower_bound(need);  // the smallest range that covers the rest, else the largest
+    if (pick == g_large.kept.end()) pick = std::prev(g_large.kept.end());
+    const size_t have = pick->first;
+    const uintptr_t start = pick->second;
+    g_large.kept.erase(pick);
+    g_large.kept_bytes -= have;
+    const size_t take = have < need ? have : need;
+    size_t moved = 0;
+    const bool whole = move_range(start, block + filled, take, &moved);
+    g_large.moved_bytes += moved;
+    filled += moved;
+    if (have > moved) keep(start + moved, have - moved);  // the part that stayed where it was
+    if (!whole) break;  // the rest of the block is new memory, as it would be without keeping any
+  }
+  g_large.fresh_bytes += size - filled;
+  g_large.live.emplace(block, size);
+  return reinterpret_cast<void*>(block);
+}
+
+// Frees `ptr` if it is a large block: kept resident, or unmapped when large blocks are off.
+bool release_large(void* ptr) {
+  std::lock_guard<std::mutex> guard(g_large.mutex);
+  if (g_large.live.empty()) return false;
+  auto found = g_large.live.find(reinterpret_cast<uintptr_t>(ptr));
+  if (found == g_large.live.end()) return false;
+  const uintptr_t block = found->first;
+  const size_t size = found->second;
+  g_large.live.erase(found);
+  count_live(-static_cast<int64_t>(size));
+  if (g_large.from.load(std::memory_order_relaxed) == 0) {
+    munmap(ptr, size);
+  } else {
+    keep(block, size);
+  }
+  return true;
+}
+
+// Unmaps every kept range; their bytes.
+size_t release_large_cache() {
+  std::lock_guard<std::mutex> guard(g_large.mutex);
+  for (const auto& [size, start] : g_large.kept) munmap(reinterpret_cast<void*>(start), size);
+  const size_t bytes = g_large.kept_bytes;
+  g_large.kept.clear();
+  g_large.kept_bytes = 0;
+  return bytes;
+}
+
 void release(void* ptr) {
   if (ptr == nullptr) return;
   c10::profiledCPUMemoryReporter().Delete(ptr);
+  g_library.frees.fetch_add(1, std::memory_order_relaxed);
+  if (release_large(ptr)) return;
   count_live(-static_cast<int64_t>(g_library.usable_size(ptr)));
   g_library.release(ptr);
-  g_library.frees.fetch_add(1, std::memory_order_relaxed);
 }
 
 struct LibraryCPUAllocator final : at::Allocator {
   at::DataPtr allocate(size_t nbytes) override {
     void* data = nullptr;
+    const size_t large_from = g_large.from.load(std::memory_order_relaxed);  // a stale value picks the other path
+    if (large_from != 0 && nbytes >= large_from) {
+      size_t size = 0;
+      data = allocate_large(nbytes, &size);
+      if (data != nullptr) {
+        c10::profiledCPUMemoryReporter().New(data, nbytes);
+        count_live(static_cast<int64_t>(size));
+        g_library.allocations.fetch_add(1, std::memory_order_relaxed);
+        return {data, data, &release, at::Device(at::DeviceType::CPU)};
+      }
+    }
     if (nbytes > 0) {
       if (g_library.aligned_alloc(&data, kAlignment, nbytes) != 0 || data == nullptr) {
         c10::profiledCPUMemoryReporter().OutOfMemory(nbytes);
@@ -142,6 +301,28 @@ int daf_allocator_install(const char* path, char* error, size_t error_size) {
   // Priority above the default allocator's (0), so a later default registration cannot undo it.
   c10::SetCPUAllocator(&g_allocator, /*priority=*/1);
   return 0;
+}
+
+// Tensors of at least `bytes` allocated from now on are large blocks (above); 0 stops it and unmaps
+// the kept ranges (blocks alive then are unmapped when freed).
+void daf_allocator_set_large_from(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> guard(g_large.mutex);
+    g_large.from = bytes == 0 ? 0 : round_up(bytes, kGrain);
+  }
+  if (bytes == 0) release_large_cache();
+}
+size_t daf_allocator_large_from() { return g_large.from.load(); }
+size_t daf_allocator_release_large_cache() { return release_large_cache(); }
+// Counters of the large blocks: [reused whole, bytes moved, mremap calls, bytes new, bytes kept, blocks live].
+void daf_allocator_large_counters(uint64_t* out) {
+  std::lock_guard<std::mutex> g(g_large.mutex);
+  out[0] = g_large.reused_whole;
+  out[1] = g_large.moved_bytes;
+  out[2] = g_large.moves;
+  out[3] = g_large.fresh_bytes;
+  out[4] = g_large.kept_bytes;
+  out[5] = g_large.live.size();
 }
 
 // Tensors of at least `bytes` allocated from now on are advised into huge pages; 0 stops it.
