@@ -367,6 +367,21 @@ def test_large_blocks_from_threads_keep_their_values():
 
 
 @needs_tcmalloc
+def test_a_preloaded_process_gets_large_blocks_too():
+    result = _child(_LARGE_COUNTERS + textwrap.dedent("""
+        import torch, daf
+        daf.wrap(torch.nn.Linear(8, 8))
+        for size in (20, 20, 30):
+            block = torch.full((size << 20,), 7, dtype=torch.uint8)
+            ok = bool((block == 7).all())
+            del block
+        emit(mode=daf.allocator_status().mode, ok=ok, **counters())
+    """), env=_env(LD_PRELOAD=TCMALLOC))
+    assert result["mode"] == "preloaded" and result["ok"]
+    assert result["whole"] >= 1 and result["moved"] > 0 and result["live"] == 0
+
+
+@needs_tcmalloc
 def test_release_free_memory_gives_kept_large_blocks_back():
     result = _large_child("""
         import torch, daf

@@ -94,6 +94,7 @@ def install(name: str = "auto") -> AllocatorStatus:
         return status()
     already = preloaded()
     if already is not None:
+        _serve_large_blocks_too(already)
         return already
     if resolved.path is None:
         warnings.warn(f"DAF: {resolved.reason}; tensors use the system allocator, whose heap keeps the "
@@ -116,11 +117,32 @@ def install(name: str = "auto") -> AllocatorStatus:
         reason = f"{resolved.name} at {resolved.path} could not be installed: {message.value.decode()}"
         warnings.warn(f"DAF: {reason}; tensors use the system allocator", RuntimeWarning, stacklevel=3)
         return AllocatorStatus("system", "system", None, reason)
+    _configure(library)
+    return status()
+
+
+def _configure(library: ctypes.CDLL) -> None:
     if os.environ.get(_TORCH_HUGE_PAGES) == "1":  # PyTorch's switch, kept when DAF replaces its allocator
         library.daf_allocator_set_huge_pages_from(_HUGE_PAGES_FROM)
     if not decommits():  # freed large blocks kept as movable pages (csrc/allocator.cpp); decommit unmaps them
         library.daf_allocator_set_large_from(LARGE_BLOCKS_FROM)
-    return status()
+
+
+def _serve_large_blocks_too(preload: AllocatorStatus) -> None:
+    """In a process with the allocator preloaded, DAF's shim still serves the large blocks (the rest goes
+    to the preloaded library, as before): a split heap is no better for being process-wide. Silent when
+    the shim cannot be built or installed: the process keeps the preloaded library alone."""
+    try:
+        library = _library()
+        if library.daf_allocator_install(preload.path.encode(), None, 0) == 0:
+            _configure(library)
+    except Exception:  # no compiler, or a load error: nothing is lost
+        pass
+
+
+def _shim_active() -> bool:
+    """Whether DAF's shim is PyTorch's CPU allocator in this process (in-process, or beside a preload)."""
+    return bool(_library.cache_info().currsize) and bool(_library().daf_allocator_active())
 
 
 def status() -> AllocatorStatus:
@@ -149,7 +171,7 @@ def release_free_memory() -> list[str]:
     (after loading, before training), not per step.
     """
     asked = []
-    if _library.cache_info().currsize and status().mode == "in-process":
+    if _shim_active():
         _library().daf_allocator_release_large_cache()
         asked.append("daf")
     tcmalloc = _tcmalloc()
@@ -194,7 +216,7 @@ def decommit_freed_memory() -> bool:
     if tcmalloc is not None:
         try:
             if tcmalloc.MallocExtension_SetNumericProperty(_DECOMMIT, ctypes.c_size_t(1)):
-                if current.mode == "in-process":
+                if _shim_active():
                     _library().daf_allocator_set_huge_pages_from(_HUGE_PAGES_FROM)
                     _library().daf_allocator_set_large_from(0)  # tcmalloc decommits; large blocks would keep
                 return True
@@ -223,7 +245,7 @@ def huge_pages() -> bool:
     ``THP_MEM_ALLOC_ENABLE=1`` (in-process), else by PyTorch's allocator under that switch
     (preloaded or system). The kernel still decides:
     ``/sys/kernel/mm/transparent_hugepage/enabled`` set to "never" gives none."""
-    if status().mode == "in-process":
+    if _shim_active():
         return bool(_library().daf_allocator_huge_pages_from())
     return os.environ.get(_TORCH_HUGE_PAGES, "0") == "1"
 
