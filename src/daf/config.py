@@ -383,6 +383,8 @@ class Config:
             allocator found, tcmalloc first), "system" (leave the process as it is), or "tcmalloc",
             "jemalloc", "mimalloc". Process-wide by nature; the system malloc keeps freed
             temporaries' memory, so without this the process barely shrinks (docs/allocator.md).
+            Tensors of 8 MiB and more then come from DAF's large blocks, whose kept memory any later
+            tensor can take (no heap split between a step's tensor sizes).
         decommit: the allocator gives freed memory back to the system at once instead of keeping it
             for reuse (tcmalloc's aggressive decommit), so the process's peak follows the peak of live
             tensors: for a run that must fit under a RAM cap. Every page reused after a free is faulted
