@@ -382,6 +382,28 @@ def test_a_preloaded_process_gets_large_blocks_too():
 
 
 @needs_tcmalloc
+def test_a_forked_child_allocates_large_blocks_and_keeps_the_parents():
+    result = _child(_LARGE_COUNTERS + textwrap.dedent("""
+        import os, torch, daf
+        daf.wrap(torch.nn.Linear(8, 8))
+        parent = torch.full((24 << 20,), 5, dtype=torch.uint8)
+        del parent  # kept: the child inherits it
+        inherited = torch.full((24 << 20,), 9, dtype=torch.uint8)
+        pid = os.fork()
+        if pid == 0:
+            ok = bool((inherited == 9).all())
+            for size in (24, 40, 16):
+                block = torch.full((size << 20,), 3, dtype=torch.uint8)
+                ok = ok and bool((block == 3).all())
+                del block
+            os._exit(0 if ok else 1)
+        _, code = os.waitpid(pid, 0)
+        emit(child=os.waitstatus_to_exitcode(code), parent=bool((inherited == 9).all()))
+    """))
+    assert result == {"child": 0, "parent": True}
+
+
+@needs_tcmalloc
 def test_release_free_memory_gives_kept_large_blocks_back():
     result = _large_child("""
         import torch, daf

@@ -10,6 +10,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <atomic>
@@ -298,6 +299,9 @@ int daf_allocator_install(const char* path, char* error, size_t error_size) {
   g_library.release = release_fn;
   g_library.usable_size = usable_size;
   g_library.path = path;
+  // A fork (a DataLoader's workers) while another thread holds the large blocks' lock would leave
+  // the child's copy locked forever: hold it across the fork, as allocators do.
+  pthread_atfork([] { g_large.mutex.lock(); }, [] { g_large.mutex.unlock(); }, [] { g_large.mutex.unlock(); });
   // Priority above the default allocator's (0), so a later default registration cannot undo it.
   c10::SetCPUAllocator(&g_allocator, /*priority=*/1);
   return 0;
