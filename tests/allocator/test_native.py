@@ -286,6 +286,8 @@ def counters():
     out = (ctypes.c_uint64 * 6)()
     _library().daf_allocator_large_counters(out)
     return dict(zip(["whole", "moved", "moves", "fresh", "kept", "live"], out))
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
 """
 
 
@@ -408,8 +410,6 @@ def test_release_free_memory_gives_kept_large_blocks_back():
     result = _large_child("""
         import torch, daf
         from daf.allocator.native import release_free_memory
-        def rss():
-            return int(open("/proc/self/statm").read().split()[1]) * 4096
         daf.wrap(torch.nn.Linear(8, 8))
         block = torch.ones(64 << 20, dtype=torch.uint8)
         del block
@@ -427,8 +427,6 @@ def test_decommit_turns_large_blocks_off_and_frees_them_at_once():
     result = _large_child("""
         import torch, daf
         from daf.allocator.native import _library
-        def rss():
-            return int(open("/proc/self/statm").read().split()[1]) * 4096
         daf.wrap(torch.nn.Linear(8, 8))
         before = _library().daf_allocator_large_from()
         early = torch.ones(64 << 20, dtype=torch.uint8)  # a large block, alive when decommit starts
@@ -554,8 +552,6 @@ def test_release_free_memory_returns_what_preloaded_tcmalloc_kept():
     """Freed Python bytes stay in tcmalloc's heap (RSS) until release_free_memory gives them back."""
     result = _child("""
         from daf.allocator.native import release_free_memory
-        def rss():
-            return int(open("/proc/self/statm").read().split()[1]) * 4096
         chunks = [bytes(8 << 20) for _ in range(24)]  # 192 MiB in 8 MiB Python objects
         del chunks
         kept = rss()
