@@ -552,6 +552,8 @@ def test_release_free_memory_returns_what_preloaded_tcmalloc_kept():
     """Freed Python bytes stay in tcmalloc's heap (RSS) until release_free_memory gives them back."""
     result = _child("""
         from daf.allocator.native import release_free_memory
+        def rss():
+            return int(open("/proc/self/statm").read().split()[1]) * 4096
         chunks = [bytes(8 << 20) for _ in range(24)]  # 192 MiB in 8 MiB Python objects
         del chunks
         kept = rss()
