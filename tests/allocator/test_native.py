@@ -393,6 +393,7 @@ def test_a_forked_child_allocates_large_blocks_and_keeps_the_parents():
         inherited = torch.full((24 << 20,), 9, dtype=torch.uint8)
         pid = os.fork()
         if pid == 0:
+            torch.set_num_threads(1)  # as a DataLoader's worker does: the parent's OpenMP team is not forked
             ok = bool((inherited == 9).all())
             for size in (24, 40, 16):
                 block = torch.full((size << 20,), 3, dtype=torch.uint8)
