@@ -122,23 +122,26 @@ bool move(uintptr_t from, uintptr_t to, size_t size) {
                 reinterpret_cast<void*>(to)) != MAP_FAILED;
 }
 
-// Moves `size` bytes at `from` to `to`: one call when the range is one mapping, else in smaller
-// pieces (a range assembled from moved ones is several mappings, which one call cannot move).
-// `moved` says how far it got; false if the system refused a piece (what did not move stays put).
+// Moves `size` bytes at `from` to `to`: one call when the range is one mapping, else 2 MiB at a
+// time (a range assembled from moved ones is several mappings, which one call cannot move), and
+// 64 KiB pieces only across a boundary between mappings, so that moved ranges do not crumble into
+// many small mappings (a process may have 65530). `moved` says how far it got; false if the system
+// refused a piece (what did not move stays put).
 bool move_range(uintptr_t from, uintptr_t to, size_t size, size_t* moved) {
   *moved = 0;
   if (move(from, to, size)) {
     *moved = size;
     return true;
   }
-  for (size_t step : {kAtom, kGrain}) {
-    while (*moved < size) {
-      const size_t piece = std::min(step, size - *moved);
-      if (!move(from + *moved, to + *moved, piece)) break;
-      *moved += piece;
+  while (*moved < size) {
+    size_t piece = std::min(kAtom, size - *moved);
+    if (!move(from + *moved, to + *moved, piece)) {
+      piece = std::min(kGrain, size - *moved);
+      if (!move(from + *moved, to + *moved, piece)) return false;
     }
+    *moved += piece;
   }
-  return *moved == size;
+  return true;
 }
 
 // A block of at least `nbytes`: a kept range of its size as it is, else kept memory moved into a new
