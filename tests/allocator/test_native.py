@@ -377,10 +377,11 @@ def test_a_preloaded_process_gets_large_blocks_too():
             block = torch.full((size << 20,), 7, dtype=torch.uint8)
             ok = bool((block == 7).all())
             del block
-        emit(mode=daf.allocator_status().mode, ok=ok, **counters())
+        emit(mode=daf.allocator_status().mode, reason=daf.allocator_status().reason, ok=ok, **counters())
     """), env=_env(LD_PRELOAD=TCMALLOC))
     assert result["mode"] == "preloaded" and result["ok"]
     assert result["whole"] >= 1 and result["moved"] > 0 and result["live"] == 0
+    assert result["reason"].endswith("tensors of 8 MiB and more come from DAF's large blocks (docs/allocator.md)")
 
 
 @needs_tcmalloc
@@ -434,9 +435,10 @@ def test_decommit_turns_large_blocks_off_and_frees_them_at_once():
         daf.wrap(torch.nn.Linear(8, 8), decommit=True)
         held = rss()
         del early
-        emit(before=before, after=_library().daf_allocator_large_from(), released=held - rss(), **counters())
+        emit(before=before, after=_library().daf_allocator_large_from(), released=held - rss(),
+             reason=daf.allocator_status().reason, **counters())
     """)
-    assert result["before"] > 0 and result["after"] == 0
+    assert result["before"] > 0 and result["after"] == 0 and "large blocks" not in result["reason"]
     assert result["released"] > 48 * MIB and result["kept"] == 0 and result["live"] == 0
 
 
@@ -480,7 +482,11 @@ def test_preloaded_library_is_reported_and_install_returns_it():
     """, env=_env(LD_PRELOAD=TCMALLOC))
     assert result["status"]["mode"] == "preloaded" and result["status"]["name"] == "tcmalloc"
     assert result["status"]["path"] == TCMALLOC
-    assert result["returned"] == result["status"] == result["preloaded"]
+    assert result["returned"] == result["status"]
+    assert {k: v for k, v in result["status"].items() if k != "reason"} == \
+        {k: v for k, v in result["preloaded"].items() if k != "reason"}
+    assert result["status"]["reason"].startswith(result["preloaded"]["reason"])
+    assert "DAF's large blocks" in result["status"]["reason"]
     assert result["warnings"] == 0 and result["bytes"] and result["works"] == 10.0
 
 

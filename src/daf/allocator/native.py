@@ -11,6 +11,7 @@ import ctypes
 import functools
 import os
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def install(name: str = "auto") -> AllocatorStatus:
     already = preloaded()
     if already is not None:
         _serve_large_blocks_too(already)
-        return already
+        return status()
     if resolved.path is None:
         warnings.warn(f"DAF: {resolved.reason}; tensors use the system allocator, whose heap keeps the "
                       f"memory of freed temporaries (docs/allocator.md)", RuntimeWarning, stacklevel=3)
@@ -146,18 +147,27 @@ def _shim_active() -> bool:
 
 
 def status() -> AllocatorStatus:
-    """What allocator this process's CPU tensors come from now, and why."""
+    """What allocator this process's CPU tensors come from now, and why (and whether DAF's large
+    blocks serve the tensors of 8 MiB and more)."""
     already = preloaded()
     if already is not None:
-        return already
+        return _with_large_blocks(already)
     if _library.cache_info().currsize:  # installed (or tried) in this process
         library = _library()
         path = library.daf_allocator_path().decode()
         if path and library.daf_allocator_active():
             name = next((n for n, files in ALLOCATORS.items() if os.path.basename(path) in files), path)
-            return AllocatorStatus(name, "in-process", path,
-                                   f"{name} is PyTorch's CPU allocator, installed by DAF")
+            return _with_large_blocks(AllocatorStatus(name, "in-process", path,
+                                                      f"{name} is PyTorch's CPU allocator, installed by DAF"))
     return AllocatorStatus("system", "system", None, "the system allocator (DAF installed none in this process)")
+
+
+def _with_large_blocks(current: AllocatorStatus) -> AllocatorStatus:
+    if not _shim_active() or not _library().daf_allocator_large_from():
+        return current
+    size = _library().daf_allocator_large_from() >> 20
+    return dataclasses.replace(current, reason=f"{current.reason}; tensors of {size} MiB and more come from "
+                                               f"DAF's large blocks (docs/allocator.md)")
 
 
 def release_free_memory() -> list[str]:
