@@ -14,7 +14,8 @@ import pytest
 
 import daf
 from daf.allocator.libraries import INSTALL_HINTS, find_library
-from daf.allocator.native import AllocatorStatus, TensorBytes, install, preloaded, status, tensor_bytes
+from daf.allocator.native import (AllocatorStatus, TensorBytes, install, preloaded, status, tensor_bytes,
+                                  transparent_huge_pages)
 
 TCMALLOC = find_library("tcmalloc")
 needs_tcmalloc = pytest.mark.skipif(TCMALLOC is None,
@@ -234,16 +235,8 @@ def _without_huge_page_switch(**extra):
     return env
 
 
-def _transparent_huge_pages() -> str | None:
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return None
-    return text[text.index("[") + 1:text.index("]")]
-
-
 @needs_tcmalloc
-@pytest.mark.skipif(_transparent_huge_pages() != "madvise", reason="needs transparent huge pages on 'madvise'")
+@pytest.mark.skipif(transparent_huge_pages() != "madvise", reason="needs transparent huge pages on 'madvise'")
 def test_config_decommit_puts_large_tensors_in_huge_pages():
     """In-process: a 64 MiB tensor is in 4 KiB pages before and mostly in 2 MiB pages after
     (the kernel grants them only to advised memory in this mode)."""
@@ -272,9 +265,14 @@ def test_pytorch_huge_page_switch_is_kept_by_the_in_process_allocator(switch):
         import torch, daf
         from daf.allocator.native import huge_pages
         daf.wrap(torch.nn.Linear(8, 8))
-        emit(mode=daf.allocator_status().mode, huge=huge_pages())
+        block = torch.ones(64 << 20, dtype=torch.uint8)  # a large block: it follows the switch too
+        smaps = open("/proc/self/smaps_rollup").read()
+        in_huge = int(smaps.split("AnonHugePages:")[1].split()[0]) << 10
+        emit(mode=daf.allocator_status().mode, huge=huge_pages(), in_huge=in_huge)
     """, env=_without_huge_page_switch(**({} if switch is None else {"THP_MEM_ALLOC_ENABLE": switch})))
-    assert result == {"mode": "in-process", "huge": switch == "1"}
+    assert result["mode"] == "in-process" and result["huge"] == (switch == "1")
+    if transparent_huge_pages() == "madvise":  # only advised memory gets huge pages
+        assert (result["in_huge"] >= 32 * MIB) == (switch == "1")
 
 
 # --- large blocks: kept memory moved between sizes (csrc/allocator.cpp) ---------------------------
@@ -440,6 +438,23 @@ def test_decommit_turns_large_blocks_off_and_frees_them_at_once():
     """)
     assert result["before"] > 0 and result["after"] == 0 and "large blocks" not in result["reason"]
     assert result["released"] > 48 * MIB and result["kept"] == 0 and result["live"] == 0
+
+
+@needs_tcmalloc
+def test_decommit_says_when_the_kernel_gives_no_huge_pages():
+    result = _child("""
+        import torch, daf
+        import daf.allocator.native as native
+        native.transparent_huge_pages = lambda: "never"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            daf.wrap(torch.nn.Linear(8, 8), decommit=True)
+            daf.wrap(torch.nn.Linear(8, 8), decommit=True)
+        emit(messages=[str(w.message) for w in caught if "huge pages" in str(w.message)],
+             decommits=native.decommits())
+    """)
+    assert result["decommits"] is True
+    assert len(result["messages"]) == 1 and "transparent_hugepage is 'never'" in result["messages"][0]
 
 
 def test_config_decommit_without_tcmalloc_warns_once_and_changes_nothing():

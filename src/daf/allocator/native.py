@@ -11,14 +11,13 @@ import ctypes
 import functools
 import os
 import warnings
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from daf.allocator.libraries import ALLOCATORS, resolve
 
 __all__ = ["AllocatorStatus", "TensorBytes", "install", "status", "preloaded", "tensor_bytes", "release_free_memory",
-           "decommit_freed_memory", "decommits", "huge_pages"]
+           "decommit_freed_memory", "decommits", "huge_pages", "transparent_huge_pages"]
 
 _DECOMMIT = b"tcmalloc.aggressive_memory_decommit"
 # PyTorch's own switch for its CPU allocator (c10/core/alloc_cpu.cpp), read at its first allocation.
@@ -163,11 +162,11 @@ def status() -> AllocatorStatus:
 
 
 def _with_large_blocks(current: AllocatorStatus) -> AllocatorStatus:
-    if not _shim_active() or not _library().daf_allocator_large_from():
+    large_from = _library().daf_allocator_large_from() if _shim_active() else 0
+    if not large_from:
         return current
-    size = _library().daf_allocator_large_from() >> 20
-    return dataclasses.replace(current, reason=f"{current.reason}; tensors of {size} MiB and more come from "
-                                               f"DAF's large blocks (docs/allocator.md)")
+    return replace(current, reason=f"{current.reason}; tensors of {large_from >> 20} MiB and more come from "
+                                   f"DAF's large blocks (docs/allocator.md)")
 
 
 def release_free_memory() -> list[str]:
@@ -215,10 +214,12 @@ def decommit_freed_memory() -> bool:
     decommit, ``MallocExtension_SetNumericProperty``): the process's RSS follows its live memory,
     and memory reused after a free is faulted in again. Tensors of 2 MiB and more allocated from
     then on are advised into transparent huge pages (``huge_pages``), which makes those faults 512
-    times fewer; in a preloaded process that is PyTorch's own ``THP_MEM_ALLOC_ENABLE=1``, which
-    ``daf run --decommit`` sets. CPU memory only: a device's memory is its own allocator's. True
-    when set; else (not on tcmalloc, or a build without the property) one warning per process and
-    False. Process-wide: it stays set.
+    times fewer, by DAF's allocator wherever it serves PyTorch (in-process or beside a preload);
+    where it does not, PyTorch's own ``THP_MEM_ALLOC_ENABLE=1`` does it, which ``daf run
+    --decommit`` sets. One warning when the kernel gives no huge pages (``transparent_hugepage``
+    "never"): decommit still works, in 4 KiB faults. CPU memory only: a device's memory is its own
+    allocator's. True when set; else (not on tcmalloc, or a build without the property) one warning
+    per process and False. Process-wide: it stays set.
     """
     tcmalloc = _tcmalloc()
     current = status()
@@ -229,6 +230,10 @@ def decommit_freed_memory() -> bool:
                 if _shim_active():
                     _library().daf_allocator_set_huge_pages_from(_HUGE_PAGES_FROM)
                     _library().daf_allocator_set_large_from(0)  # tcmalloc decommits; large blocks would keep
+                if transparent_huge_pages() == "never":
+                    _warn_once("DAF: Config.decommit without huge pages: the kernel's transparent_hugepage is "
+                               "'never', so every reuse of freed memory faults 4 KiB at a time (about 1.7x the "
+                               "step time of kept memory on a 2-core VM, 1.3x in huge pages; docs/allocator.md)")
                 return True
             reason = f"tcmalloc does not know the property {_DECOMMIT.decode()}"
         except AttributeError as error:  # a build without the extension API
@@ -247,6 +252,15 @@ def decommits() -> bool:
     except AttributeError:
         return False
     return bool(found) and value.value == 1
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"), None where unknown."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        return text[text.index("[") + 1:text.index("]")]
+    except (OSError, ValueError):
+        return None
 
 
 def huge_pages() -> bool:

@@ -56,4 +56,3 @@ def launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     sys.stderr.flush()
     os.execvpe(command[0], command, {**os.environ, **extra})
     return 127  # not reached: exec replaced this process
-

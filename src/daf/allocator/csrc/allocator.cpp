@@ -163,6 +163,10 @@ void* allocate_large(size_t nbytes, size_t* size_out) {
   }
   const uintptr_t block = reserve_aligned(size);
   if (block == 0) return nullptr;
+  // The new range under PyTorch's huge-page switch, as blocks from the library get it (kept ranges
+  // moved in bring their own advice).
+  const size_t huge_from = g_library.huge_pages_from.load(std::memory_order_relaxed);
+  if (huge_from != 0 && size >= huge_from) advise_huge_pages(reinterpret_cast<void*>(block), size);
   std::lock_guard<std::mutex> guard(g_large.mutex);
   size_t filled = 0;
   while (filled < size && !g_large.kept.empty()) {
