@@ -281,9 +281,9 @@ _LARGE_COUNTERS = """
 import ctypes
 from daf.allocator.native import _library
 def counters():
-    out = (ctypes.c_uint64 * 6)()
+    out = (ctypes.c_uint64 * 7)()
     _library().daf_allocator_large_counters(out)
-    return dict(zip(["whole", "moved", "moves", "fresh", "kept", "live"], out))
+    return dict(zip(["whole", "moved", "moves", "fresh", "kept", "live", "given"], out))
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 """
@@ -293,37 +293,51 @@ def _large_child(code):
     return _child(_LARGE_COUNTERS + textwrap.dedent(code))
 
 
-@needs_tcmalloc
-@pytest.mark.parametrize("seed", [0, 1])
-def test_large_blocks_keep_every_value_and_stay_within_the_most_ever_live(seed):
-    """Random sizes (not multiples of anything) allocated and freed in a random order: every tensor
-    holds what was written into it, page order included, when it is freed, while kept memory is
-    handed out whole and moved between sizes; and the new memory the blocks ever took is no more than
-    the most that was live at once (rounded to 64 KiB per block): nothing kept goes unused."""
-    result = _large_child(f"""
+def _random_large_blocks(seed, release):
+    """Random sizes (not multiples of anything) allocated and freed in a random order, half of them
+    written only after the next block is freed (its pages may move in); with `release`, kept memory is
+    unmapped now and then, so that blocks take new memory and freed pages move into them."""
+    return _large_child(f"""
         import random, torch, daf, daf.allocator.native
         from daf.allocator.native import LARGE_BLOCKS_FROM
         daf.wrap(torch.nn.Linear(8, 8))
         rng = random.Random({seed})
         grain = 64 << 10
         live, live_bytes, most, bad = {{}}, 0, 0, []
-        def pattern(n, key):  # 251 bytes over and over: a page in the wrong place shows
-            return (torch.arange(251, dtype=torch.uint8) + key % 256).repeat(n // 251 + 1)[:n]
-        def check_and_free(key):
-            global live_bytes
-            tensor, size = live.pop(key)
+        # 251 bytes over and over, from a place that depends on the key: a page in the wrong place
+        # shows. Views of one tensor, so that writing and checking allocate nothing large.
+        cycle = torch.arange(251, dtype=torch.uint8).repeat((8 * LARGE_BLOCKS_FROM + 4321 * 1004) // 251 + 2)
+        def pattern(n, key):
+            return cycle[key % 251:key % 251 + n]
+        def check(key):
+            tensor = live[key][0]
             if not torch.equal(tensor, pattern(tensor.numel(), key)):
                 bad.append(key)
-            live_bytes -= size
+        def free(key):
+            global live_bytes
+            live_bytes -= live.pop(key)[1]
+        def check_and_free(key):
+            check(key)
+            free(key)
         for key in range(160):
+            victim = None
             if live and (len(live) > 6 or rng.random() < 0.45):
-                check_and_free(rng.choice(list(live)))
+                victim = rng.choice(list(live))
+                check(victim)
+            if rng.random() < {release}:  # kept memory unmapped: the next block takes new memory
+                daf.allocator.native.release_free_memory()
             n = rng.randrange(LARGE_BLOCKS_FROM, 5 * LARGE_BLOCKS_FROM)
             tensor = torch.empty(n, dtype=torch.uint8)
-            tensor.copy_(pattern(n, key))
+            late = rng.random() < 0.5  # written only after the victim is freed: its pages may move in
+            if not late:
+                tensor.copy_(pattern(n, key))
             live[key] = (tensor, -(-n // grain) * grain)
             live_bytes += live[key][1]
             most = max(most, live_bytes)
+            if victim is not None:
+                free(victim)
+            if late:
+                tensor.copy_(pattern(n, key))
         del tensor
         for key in list(live):
             check_and_free(key)
@@ -335,13 +349,97 @@ def test_large_blocks_keep_every_value_and_stay_within_the_most_ever_live(seed):
             live[key] = (torch.empty(n, dtype=torch.uint8).copy_(pattern(n, key)), 0)
         for key in list(live):
             check_and_free(key)
+        del cycle
         emit(bad=bad, most=most, peak=daf.allocator.native.tensor_bytes().peak_bytes, **counters())
     """)
+
+
+@needs_tcmalloc
+@pytest.mark.parametrize("seed", [0, 1])
+def test_large_blocks_keep_every_value_and_stay_within_the_most_ever_live(seed):
+    """Every tensor holds what was written into it, page order included, when it is freed, while kept
+    memory is handed out whole and moved between sizes; and the new memory the blocks ever took is no
+    more than the most that was live at once (rounded to 64 KiB per block): nothing kept goes unused."""
+    result = _random_large_blocks(seed, release=0.0)
     assert result["bad"] == []
     assert result["whole"] + result["moves"] > 0 and result["moved"] > 0  # both ways of reuse ran
     # the peak counts every tensor alive at once, the checks' temporaries too
     assert result["most"] <= result["peak"] and result["fresh"] <= result["peak"]
     assert result["live"] == 0 and result["kept"] == result["fresh"]
+
+
+@needs_tcmalloc
+@pytest.mark.parametrize("seed", [0, 1])
+def test_freed_pages_moved_into_untouched_blocks_keep_every_value(seed):
+    result = _random_large_blocks(seed, release=0.15)
+    assert result["bad"] == [] and result["live"] == 0
+    assert result["given"] > 0  # pages did move into blocks not yet written
+
+
+@needs_tcmalloc
+def test_a_block_dropped_unwritten_lends_its_pages_to_the_block_after_it():
+    """Freed pages move into a block only if it is all untouched, allocated by the same thread, with
+    nothing large in between; the block then grows the process by nothing when written."""
+    result = _large_child("""
+        import threading, torch, daf, daf.allocator.native
+        daf.wrap(torch.nn.Linear(8, 8))
+        n = 24 << 20
+        def case(touch_first=False, other_thread=False, between=False):
+            daf.allocator.native.release_free_memory()  # nothing kept: the second block is new memory
+            first = torch.full((n,), 1, dtype=torch.uint8)
+            box = []
+            make = lambda: box.append(torch.empty(n, dtype=torch.uint8))
+            if other_thread:
+                thread = threading.Thread(target=make)
+                thread.start()
+                thread.join()
+            else:
+                make()
+            second = box.pop()
+            if touch_first:
+                second[n - 1] = 7  # one byte on the last page
+            if between:  # a large block allocated, written and freed
+                extra = torch.full((n // 2,), 0, dtype=torch.uint8)
+                del extra
+            given, start = counters()["given"], rss()
+            del first
+            kept_byte = int(second[n - 1])
+            second[: n - 1] = 3
+            return dict(given=counters()["given"] - given, growth=(rss() - start) / n, byte=kept_byte,
+                        ok=bool((second[: n - 1] == 3).all()))
+        emit(plain=case(), touched=case(touch_first=True), thread=case(other_thread=True),
+             between=case(between=True))
+    """)
+    assert result["plain"]["given"] == 24 << 20 and result["plain"]["growth"] < 0.1 and result["plain"]["ok"]
+    assert result["touched"]["given"] == 0 and result["touched"]["byte"] == 7 and result["touched"]["ok"]
+    assert result["touched"]["growth"] > 0.9  # the first block's pages stayed kept
+    for other in ("thread", "between"):
+        assert result[other]["given"] == 0 and result[other]["ok"] and result[other]["growth"] > 0.9
+
+
+@needs_tcmalloc
+def test_batch_norm_backward_grows_the_process_by_its_gradient_only():
+    """PyTorch's batch norm backward allocates its input gradient twice and drops the first unwritten:
+    with kept memory for one of them, the process does not grow."""
+    result = _large_child("""
+        import torch, daf
+        daf.wrap(torch.nn.Linear(8, 8))
+        bn = torch.nn.BatchNorm2d(64)
+        x = torch.randn(48, 64, 32, 32, requires_grad=True)  # 12 MiB
+        g = torch.randn_like(x)
+        bn(x).backward(g)  # the first backward starts autograd's machinery
+        x.grad = None
+        y = bn(x)
+        daf.allocator.native.release_free_memory()
+        spare = torch.full_like(x, 1.0)
+        del spare  # one tensor's pages kept
+        start = rss()
+        open("/proc/self/clear_refs", "w").write("5")  # the high-water mark starts here
+        y.backward(g)
+        hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) << 10
+        emit(growth=(hwm - start) / (x.numel() * 4), given=counters()["given"], ok=bool(torch.isfinite(x.grad).all()))
+    """)
+    assert result["ok"] and result["given"] > 0 and result["growth"] < 0.2
 
 
 @needs_tcmalloc

@@ -10,8 +10,10 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -20,6 +22,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -92,6 +95,13 @@ struct LargeBlocks {
   uint64_t moved_bytes = 0;                        // moved into another block
   uint64_t moves = 0;                              // mremap calls
   uint64_t fresh_bytes = 0;                        // new memory, faulted in on first touch
+  uint64_t given_bytes = 0;                        // freed pages moved into an untouched block
+  // The part of the last block that took new memory, while no large block has come or gone since.
+  struct Untouched {
+    uintptr_t block = 0, start = 0;
+    size_t size = 0;
+    std::thread::id thread;
+  } recent;
 };
 
 LargeBlocks g_large;
@@ -158,6 +168,7 @@ void* allocate_large(size_t nbytes, size_t* size_out) {
       g_large.kept_bytes -= size;
       ++g_large.reused_whole;
       g_large.live.emplace(block, size);
+      g_large.recent = {};
       return reinterpret_cast<void*>(block);
     }
   }
@@ -187,7 +198,51 @@ void* allocate_large(size_t nbytes, size_t* size_out) {
   }
   g_large.fresh_bytes += size - filled;
   g_large.live.emplace(block, size);
+  g_large.recent = {};
+  if (filled < size) g_large.recent = {block, block + filled, size - filled, std::this_thread::get_id()};
   return reinterpret_cast<void*>(block);
+}
+
+// Whether no page of [start, start + size) was ever touched: none present, none swapped out
+// (/proc/self/pagemap, bits 63 and 62; readable without privileges). False when it cannot say.
+bool never_touched(uintptr_t start, size_t size) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);  // never cached: a fork's child is another self
+  if (fd < 0) return false;
+  constexpr uint64_t kPresentOrSwapped = uint64_t{3} << 62;
+  uint64_t entries[512];
+  const size_t first = start / page, count = size / page;
+  bool clean = true;
+  for (size_t done = 0; clean && done < count;) {
+    const size_t n = std::min<size_t>(512, count - done);
+    const ssize_t want = static_cast<ssize_t>(n * sizeof(uint64_t));
+    clean = pread(fd, entries, want, static_cast<off_t>((first + done) * sizeof(uint64_t))) == want;
+    for (size_t i = 0; clean && i < n; ++i) clean = (entries[i] & kPresentOrSwapped) == 0;
+    done += n;
+  }
+  close(fd);
+  return clean;
+}
+
+// A tensor allocated and dropped unused while its successor is allocated, as PyTorch's batch norm
+// backward does with its gradient (`empty_like` twice, the first replaced before it is written),
+// would hold kept memory while the successor faults in new pages: one full-size tensor more at the
+// step's peak (ResNet-18: the fifth of five first-stage tensors). So when a block is freed just after
+// another was given new memory, by the same thread, with nothing large in between, and none of that
+// new memory has been touched yet, the freed pages move there instead of being kept: the new block's
+// bytes are undefined until written, and a page neither present nor swapped was never written. The
+// same thread and nothing in between mean no other thread can have the new block yet. Bytes moved.
+size_t give_to_untouched(uintptr_t block, size_t size) {
+  const auto recent = g_large.recent;
+  g_large.recent = {};
+  if (recent.block == 0 || recent.block == block || recent.thread != std::this_thread::get_id()) return 0;
+  const size_t take = std::min(size, recent.size);
+  if (!never_touched(recent.start, take)) return 0;
+  size_t moved = 0;
+  move_range(block, recent.start, take, &moved);
+  g_large.given_bytes += moved;
+  g_large.fresh_bytes -= moved;
+  return moved;
 }
 
 // Frees `ptr` if it is a large block: kept resident, or unmapped when large blocks are off.
@@ -201,9 +256,11 @@ bool release_large(void* ptr) {
   g_large.live.erase(found);
   count_live(-static_cast<int64_t>(size));
   if (g_large.from.load(std::memory_order_relaxed) == 0) {
+    g_large.recent = {};
     munmap(ptr, size);
   } else {
-    keep(block, size);
+    const size_t given = give_to_untouched(block, size);
+    if (size > given) keep(block + given, size - given);
   }
   return true;
 }
@@ -325,7 +382,8 @@ void daf_allocator_set_large_from(size_t bytes) {
 }
 size_t daf_allocator_large_from() { return g_large.from.load(); }
 size_t daf_allocator_release_large_cache() { return release_large_cache(); }
-// Counters of the large blocks: [reused whole, bytes moved, mremap calls, bytes new, bytes kept, blocks live].
+// Counters of the large blocks: [reused whole, bytes moved, mremap calls, bytes new, bytes kept, blocks live,
+// bytes given to an untouched block].
 void daf_allocator_large_counters(uint64_t* out) {
   std::lock_guard<std::mutex> g(g_large.mutex);
   out[0] = g_large.reused_whole;
@@ -334,6 +392,7 @@ void daf_allocator_large_counters(uint64_t* out) {
   out[3] = g_large.fresh_bytes;
   out[4] = g_large.kept_bytes;
   out[5] = g_large.live.size();
+  out[6] = g_large.given_bytes;
 }
 
 // Tensors of at least `bytes` allocated from now on are advised into huge pages; 0 stops it.
