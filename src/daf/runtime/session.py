@@ -26,8 +26,8 @@ from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
 from daf.runtime.route import Context, Encoding, Kind, Remake, route
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
-                         attention_output_of, is_parameter, made_in_call, masked_product_of, normalized_output_of,
-                         parameter_storages, rms_normalized_output_of)
+                         attention_output_of, is_parameter, made_in_call, masked_product_of, nodes_made_by,
+                         normalized_output_of, parameter_storages, rms_normalized_output_of)
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -135,6 +135,9 @@ class Session:
         # a dropout product x * mask is found from the multiply's input edge. The node is kept with it, so
         # that its id cannot be reused while the entry lives.
         self._outputs: dict[tuple[int, int], tuple[Any, _Saved]] = {}
+        # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
+        # with it): the only nodes whose saves it reads (``_readable``).
+        self._made_here: dict[int, Any] = {}
         # (thread, records) while _record_behind reads a graph node's _saved_*: another thread's unpacks go on
         self._captured: tuple[int, list[Any]] | None = None
         self._parameter_storages: set[int] = set()
@@ -156,6 +159,7 @@ class Session:
         self._shared.clear()
         self._relu_masks.clear()
         self._outputs.clear()
+        self._made_here.clear()
         self._parameter_storages = parameter_storages(model)
         self.policy.on_forward_start(self.forwards)
 
@@ -166,6 +170,7 @@ class Session:
         self._shared.clear()
         self._relu_masks.clear()
         self._outputs.clear()
+        self._made_here.clear()
         self.accounting.end()
 
     def continue_forward(self) -> None:
@@ -226,6 +231,8 @@ class Session:
         input_made_here = bool(arguments) and (self.sites.made_in_forward(tensor) or made_in_call(tensor, arguments))
         if input_made_here and op.func in ATTENTION_FUNCTIONS:  # q, k, v reshaped; not logsumexp, read through exp
             input_made_here = any(a.numel() == tensor.numel() for a in arguments)
+        if op is not None:  # a tensor this very call made (an op saving its own output): its node saves through us now
+            self._mark_made_here(nodes_made_by(tensor, (*op.args, *op.kwargs.values()), most=4))
         return Context(**common, input_made_here=input_made_here, product_of=self._product_of(tensor),
                        remake=self._remake_of(tensor), shared=self._shareable(tensor, op),
                        relu_mask=self._relu_masks.get(tensor))
@@ -256,7 +263,8 @@ class Session:
         """How to remake ``tensor`` from records of this forward: f(x) for SiLU, GELU, LayerNorm or RMSNorm
         when x is stored (in a record that decodes to x for any op: not derivative codes); attention's
         output when its q, k and v are kept."""
-        found = activation_output_of(tensor) or normalized_output_of(tensor) or rms_normalized_output_of(tensor)
+        found = (activation_output_of(tensor) or normalized_output_of(tensor, self._readable)
+                 or rms_normalized_output_of(tensor, self._readable))
         if found is not None:
             x = self._record_of(found.node, found.output_nr)
             return None if x is None else Remake((x,), found.function, x.bits)
@@ -283,6 +291,8 @@ class Session:
         """What this session's pack hook returned for the tensor that ``node`` saved as ``attribute``:
         reading a ``_saved_*`` attribute calls the unpack hook, which here only names the record.
         ``_ABSENT`` where the node saved None there (no attention mask), None where nothing is known."""
+        if not self._readable(node):
+            return None
         captured: list[Any] = []
         self._captured = (threading.get_ident(), captured)
         try:
@@ -386,8 +396,20 @@ class Session:
         return max(bits, self.config.floor_for(op.name)) if bits and op is not None and self.config.floors else bits
 
     def _op_done(self, call: OpCall) -> None:
-        self.policy.watch_op(call)
-        call.saves.clear()
+        self._mark_made_here(nodes_made_by(call.output, (*call.args, *call.kwargs.values())))
+        if call.saves:
+            self.policy.watch_op(call)
+            call.saves.clear()
+
+    def _mark_made_here(self, nodes: list[Any]) -> None:
+        for node in nodes:
+            self._made_here[id(node)] = node
+
+    def _readable(self, node: Any) -> bool:
+        """Whether ``node``'s saves went through this session's pack hook, so that reading one only names
+        its record. Another hook's unpack may do anything (checkpointing's recomputes the whole block in
+        forward and holds what it made until backward), so such nodes are never read."""
+        return self._made_here.get(id(node)) is node
 
     # -- helpers ---------------------------------------------------------------------------
     def _next_seed(self) -> int:

@@ -114,7 +114,8 @@ class OpCall:
 
 
 class OpTracker(TorchFunctionMode):
-    """Keeps the current top-level call; ``on_done(call)`` runs after each call that saved something.
+    """Keeps the current top-level call; ``on_done(call)`` runs after each call whose saves went through
+    the pack hook (the hook asked for ``current``; saves under another hook, checkpointing's, do not).
 
     The ``OpCall`` is made only when the pack hook asks for it (``current``), so calls that save
     nothing (views, shape queries) cost a few attribute stores.
@@ -142,7 +143,7 @@ class OpTracker(TorchFunctionMode):
             call = self._call
         finally:
             self._frame, self._call = outer
-        if call is not None and call.saves:
+        if call is not None:
             call.output = output
             self._on_done(call)
         return output

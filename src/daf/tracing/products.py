@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of", "normalized_output_of",
+__all__ = ["nodes_made_by", "MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of", "normalized_output_of",
            "rms_normalized_output_of", "AttentionOutput", "attention_output_of"]
 
 # Nodes whose output holds its input's elements in the same row-major order (an expand to the same
@@ -69,6 +69,35 @@ def _behind_views(tensor: torch.Tensor) -> tuple[Any, int]:
         if node is None:
             return None, 0
     return node, output_nr
+
+
+def nodes_made_by(output: Any, inputs: tuple, most: int = 16) -> list[Any]:
+    """The autograd nodes a call made: from its output's nodes back to its tensor inputs' (a few levels
+    of tuples, lists and dicts looked into; at most ``most`` nodes, which no single torch function nears)."""
+    stop = {id(t.grad_fn) for t in _tensors_in(inputs) if t.grad_fn is not None}
+    made: list[Any] = []
+    pending = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+    seen: set[int] = set()
+    while pending and len(made) < most:
+        node = pending.pop()
+        if node is None or id(node) in stop or id(node) in seen:
+            continue
+        seen.add(id(node))
+        made.append(node)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return made
+
+
+def _tensors_in(value: Any, depth: int = 3) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth == 0:
+        return []
+    if isinstance(value, dict):
+        value = tuple(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors_in(item, depth - 1)]
+    return []
 
 
 def masked_product_of(tensor: torch.Tensor) -> MaskedProduct | None:
@@ -111,16 +140,21 @@ def activation_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
     return None if source is None else ActivationOutput(source, output_nr, function)
 
 
-def normalized_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
+def _always(node: Any) -> bool:
+    return True
+
+
+def normalized_output_of(tensor: torch.Tensor, readable: Callable[[Any], bool] = _always) -> ActivationOutput | None:
     """Whether ``tensor`` is, through order-keeping views (a linear's flattening of its input), the
     output of ``layer_norm`` applied to a tensor with history, and the function that remakes it from
     that input with the norm's saved mean, reciprocal standard deviation, weight and bias. Reading
-    those goes through the saved-tensor hooks in force (the statistics have no history: kept raw)."""
+    those goes through the hooks that saved them, so only nodes that ``readable`` accepts are read
+    (another hook's unpack may do anything: checkpointing's recomputes the whole block)."""
     node, output_nr = _behind_views(tensor)
     if type(node).__name__ != "NativeLayerNormBackward0" or output_nr != 0:
         return None
     source, source_nr = node.next_functions[0]
-    if source is None:
+    if source is None or not readable(node):
         return None
     try:
         function = functools.partial(_normalized, mean=node._saved_result1, rstd=node._saved_result2,
@@ -141,18 +175,19 @@ def _normalized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight:
     return y.reshape(shape)
 
 
-def rms_normalized_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
+def rms_normalized_output_of(tensor: torch.Tensor, readable: Callable[[Any], bool] = _always) -> ActivationOutput | None:
     """Whether ``tensor`` is, through order-keeping views, ``x * r`` with ``r`` made by ``rsqrt`` (an
     RMSNorm without weight), or that times a weight (a tensor without history, or a leaf: the norm's
-    frozen or trained scale), and the function that remakes it from ``x`` with the saved ``r`` and weight."""
+    frozen or trained scale), and the function that remakes it from ``x`` with the saved ``r`` and weight.
+    Only nodes that ``readable`` accepts have their saved tensors read (see ``normalized_output_of``)."""
     node, _ = _behind_views(tensor)
-    if type(node).__name__ != "MulBackward0":
+    if type(node).__name__ != "MulBackward0" or not readable(node):
         return None
     weight = None
     scaled = _rsqrt_scaling(node)
     if scaled is None:
         inner, weight_attribute = _weighted(node)
-        scaled = _rsqrt_scaling(inner) if inner is not None else None
+        scaled = _rsqrt_scaling(inner) if inner is not None and readable(inner) else None
         if scaled is None:
             return None
         try:
