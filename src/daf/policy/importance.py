@@ -175,7 +175,7 @@ class ImportanceEstimator:
                 _hook_norm(x, use, "gx")
                 self._uses.append((site, "batch_norm", use))
             else:
-                use["affine"] = any(is_parameter(a) for a in _tensors(call.args, call.kwargs))
+                use["affine"] = any(is_parameter(a) for a in call.tensor_arguments)
                 if use["affine"] and output is not None and output.requires_grad:
                     _hook_norm(output, use, "dy")
                 self._uses.append((site, "other", use))
@@ -278,8 +278,8 @@ class ImportanceEstimator:
         caller differentiates) upstream of the call's arguments, the first time this step a walk meets
         it. Without it a site whose error reaches only such an input was costed 0 at every width, and
         the plan dropped it to 1 bit for free (issue 13). O(new autograd nodes): each node once a step."""
-        stack = [t.grad_fn for t in _tensors(call.args, call.kwargs) if t.grad_fn is not None]
-        for t in _tensors(call.args, call.kwargs):
+        stack = [t.grad_fn for t in call.tensor_arguments if t.grad_fn is not None]
+        for t in call.tensor_arguments:
             if t.grad_fn is None and t.requires_grad and not isinstance(t, torch.nn.Parameter) \
                     and id(t) not in self._visited:
                 self._visited.add(id(t))
@@ -385,16 +385,6 @@ def _hook_norm(t: torch.Tensor, into: dict[str, Any], key: str) -> None:
         into[key] = into.get(key, 0.0) + value if math.isfinite(value) else into.get(key, 0.0)
 
     t.register_hook(hook)
-
-
-def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    out = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(t for t in a if isinstance(t, torch.Tensor))
-    return out
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:

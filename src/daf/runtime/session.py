@@ -27,7 +27,7 @@ from daf.runtime.layout import reads_any_layout, restores_channels_last, restore
 from daf.runtime.route import Context, Encoding, Kind, Remake, route
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
                          attention_output_of, is_parameter, made_in_call, masked_product_of, nodes_made_by,
-                         normalized_output_of, parameter_storages, rms_normalized_output_of)
+                         normalized_output_of, parameter_storages, rms_normalized_output_of, tensors_in)
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -232,7 +232,7 @@ class Session:
         if input_made_here and op.func in ATTENTION_FUNCTIONS:  # q, k, v reshaped; not logsumexp, read through exp
             input_made_here = any(a.numel() == tensor.numel() for a in arguments)
         if op is not None:  # a tensor this very call made (an op saving its own output): its node saves through us now
-            self._mark_made_here(nodes_made_by(tensor, (*op.args, *op.kwargs.values()), most=4))
+            self._mark_made_here(nodes_made_by([tensor], op.argument_nodes, most=4))
         return Context(**common, input_made_here=input_made_here, product_of=self._product_of(tensor),
                        remake=self._remake_of(tensor), shared=self._shareable(tensor, op),
                        relu_mask=self._relu_masks.get(tensor))
@@ -396,7 +396,7 @@ class Session:
         return max(bits, self.config.floor_for(op.name)) if bits and op is not None and self.config.floors else bits
 
     def _op_done(self, call: OpCall) -> None:
-        self._mark_made_here(nodes_made_by(call.output, (*call.args, *call.kwargs.values())))
+        self._mark_made_here(nodes_made_by(tensors_in((call.output,)), call.argument_nodes))
         if call.saves:
             self.policy.watch_op(call)
             call.saves.clear()

@@ -14,7 +14,7 @@ in forward while the mode is on.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -57,6 +57,17 @@ def _weight_functions() -> frozenset:
 WEIGHT_FUNCTIONS = _weight_functions()
 
 
+def tensors_in(values: Iterable[Any]) -> list[torch.Tensor]:
+    """The tensors among ``values`` and among the lists and tuples in them (one level: ``torch.cat``'s)."""
+    found: list[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(t for t in value if isinstance(t, torch.Tensor))
+    return found
+
+
 @dataclass
 class OpCall:
     """One top-level torch function call that saved tensors for backward.
@@ -87,6 +98,16 @@ class OpCall:
         if self.func not in WEIGHT_FUNCTIONS:
             return []
         return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, torch.Tensor)]
+
+    @cached_property
+    def tensor_arguments(self) -> list[torch.Tensor]:
+        """Every tensor the call was given (``tensors_in``); made once per call."""
+        return tensors_in((*self.args, *self.kwargs.values()))
+
+    @cached_property
+    def argument_nodes(self) -> set[int]:
+        """The ids of the autograd nodes that made the call's tensor arguments: where the nodes it made end."""
+        return {id(t.grad_fn) for t in self.tensor_arguments if t.grad_fn is not None}
 
     def fused_attention_role(self, tensor: torch.Tensor) -> str | None:
         """What ``tensor`` is to a fused-attention kernel's backward: "logits" for q and k (and copies made

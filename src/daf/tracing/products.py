@@ -71,12 +71,12 @@ def _behind_views(tensor: torch.Tensor) -> tuple[Any, int]:
     return node, output_nr
 
 
-def nodes_made_by(output: Any, inputs: tuple, most: int = 16) -> list[Any]:
-    """The autograd nodes a call made: from its output's nodes back to its tensor inputs' (a few levels
-    of tuples, lists and dicts looked into; at most ``most`` nodes, which no single torch function nears)."""
-    stop = {id(t.grad_fn) for t in _tensors_in(inputs) if t.grad_fn is not None}
+def nodes_made_by(tensors: list[torch.Tensor], stop: set[int], most: int = 16) -> list[Any]:
+    """The autograd nodes a call made: from its output ``tensors``' nodes back to the nodes whose ids are
+    ``stop`` (its arguments'; ``OpCall.argument_nodes``), at most ``most`` of them, which no single torch
+    function nears."""
     made: list[Any] = []
-    pending = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+    pending = [t.grad_fn for t in tensors if t.grad_fn is not None]
     seen: set[int] = set()
     while pending and len(made) < most:
         node = pending.pop()
@@ -86,18 +86,6 @@ def nodes_made_by(output: Any, inputs: tuple, most: int = 16) -> list[Any]:
         made.append(node)
         pending.extend(next_node for next_node, _ in node.next_functions)
     return made
-
-
-def _tensors_in(value: Any, depth: int = 3) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth == 0:
-        return []
-    if isinstance(value, dict):
-        value = tuple(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors_in(item, depth - 1)]
-    return []
 
 
 def masked_product_of(tensor: torch.Tensor) -> MaskedProduct | None:
