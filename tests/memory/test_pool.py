@@ -198,7 +198,7 @@ def test_large_chunks_give_back_whole_huge_pages_once_their_neighbours_are_free(
     huge = _huge_page_bytes()
     per_huge = huge // PAGE
     pool = PagePool(PAGE, "cpu", min_growth_bytes=4 * huge, return_pages=True)
-    pages = pool.allocate(4 * per_huge)
+    pages = list(pool.allocate(4 * per_huge))
     data = _bytes(4 * huge, 4)
     pool.write(pages, data)
     address = pool.views(pages, 4 * huge)[0].data_ptr()

@@ -3,12 +3,13 @@
 A record of a few MiB takes hundreds of 4 KiB pages, nearly always one run: kept page by page
 (a sorted list of ids) every ``put`` and ``release`` paid O(pages * log) Python work, about
 0.3 ms per 2 MiB record each way. As runs, taking and giving back a record costs O(runs it
-touches * log(runs)); the ids handed out are built by ``range`` in C.
+touches * log(runs)); pages taken from one run are handed out as a ``range`` (O(1), no list of
+ids), from several as a list.
 
 >>> free = FreeRuns()
 >>> free.add(0, 10)
 >>> free.take(4)
-[0, 1, 2, 3]
+range(0, 4)
 >>> free.give([1, 2]); free.runs()
 [(1, 3), (4, 10)]
 >>> len(free)
@@ -17,7 +18,7 @@ touches * log(runs)); the ids handed out are built by ``range`` in C.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from sortedcontainers import SortedDict
 
@@ -69,9 +70,12 @@ class FreeRuns:
         self._runs[start] = end
         self._count += count
 
-    def give(self, pages: list[int]) -> None:
+    def give(self, pages: Sequence[int]) -> None:
         """Make ``pages`` (any order, no repeats) free again."""
         if not pages:
+            return
+        if isinstance(pages, range) and pages.step == 1:
+            self.add(pages.start, len(pages))  # what take hands out: O(log(runs)), no list
             return
         if pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
             self.add(pages[0], len(pages))  # the usual case: one run, compared in C
@@ -98,10 +102,19 @@ class FreeRuns:
                 return start, end
         raise KeyError(f"page {page} is not free")
 
-    def take(self, count: int) -> list[int]:
-        """The ``count`` lowest free page ids, no longer free. The caller checks ``len`` first."""
+    def take(self, count: int) -> Sequence[int]:
+        """The ``count`` lowest free page ids, no longer free: a ``range`` when the lowest free run holds them
+        all (the usual case), else a list. The caller checks ``len`` first."""
         if count > self._count:
             raise ValueError(f"{count} pages asked for, {self._count} free")
+        if count and self._runs:
+            start, end = self._runs.peekitem(0)
+            if end - start >= count:
+                del self._runs[start]
+                if start + count < end:
+                    self._runs[start + count] = end
+                self._count -= count
+                return range(start, start + count)
         pages: list[int] = []
         while len(pages) < count:
             start, end = self._runs.popitem(0)

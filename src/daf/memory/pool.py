@@ -27,7 +27,7 @@ import bisect
 import ctypes
 import math
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -134,8 +134,8 @@ class PagePool:
         """
         return -(-nbytes // self.page_size)
 
-    def allocate(self, count: int) -> list[int]:
-        """``count`` free page ids, lowest first, growing the pool if needed.
+    def allocate(self, count: int) -> Sequence[int]:
+        """``count`` free page ids, lowest first (a ``range`` when they are one run), growing the pool if needed.
 
         Raises ``PoolExhausted`` when that would pass ``limit_pages``.
         Runtime complexity: O(count) in C plus O(runs taken * log(runs)).
@@ -148,7 +148,7 @@ class PagePool:
         self.high_water_pages = max(self.high_water_pages, self.in_use_pages)
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def free(self, pages: Sequence[int]) -> None:
         """Give ``pages`` back; the next ``allocate`` may hand them out. O(len(pages)) in C for one run.
 
         With ``return_pages``, on the CPU their memory also goes back to the system at once
@@ -163,7 +163,7 @@ class PagePool:
         if self.in_use_pages == 0:
             self._end_step()
 
-    def _give_back(self, pages: list[int]) -> None:
+    def _give_back(self, pages: Sequence[int]) -> None:
         """madvise away the whole units (system pages, or huge pages where the chunk has them) that lie in
         the free run around each run of ``pages``: only there is nothing live in them (with system pages
         larger than the pool's, 64 KiB on some Arm systems, a partly free one may hold a record)."""
@@ -182,7 +182,7 @@ class PagePool:
                 entry.mapping.madvise(mmap.MADV_DONTNEED, low - base, high - low)
 
     # -- bytes -----------------------------------------------------------------------------
-    def write(self, pages: list[int], payload: torch.Tensor) -> None:
+    def write(self, pages: Sequence[int], payload: torch.Tensor) -> None:
         """Copy ``payload`` (uint8 [n], contiguous, on this device, n <= pages * page_size) into ``pages``.
 
         O(n) bytes copied, one copy per contiguous run of pages.
@@ -192,7 +192,7 @@ class PagePool:
             _copy_bytes(view, payload[offset: offset + view.numel()])
             offset += view.numel()
 
-    def read(self, pages: list[int], nbytes: int) -> torch.Tensor:
+    def read(self, pages: Sequence[int], nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` bytes held in ``pages``: uint8 [nbytes].
 
         A view into the pool when the pages form one contiguous run (O(1)), else a
@@ -208,7 +208,7 @@ class PagePool:
             offset += view.numel()
         return out
 
-    def views(self, pages: list[int], nbytes: int) -> list[torch.Tensor]:
+    def views(self, pages: Sequence[int], nbytes: int) -> list[torch.Tensor]:
         """uint8 views of the first ``nbytes`` bytes of ``pages``, one per contiguous run, in order."""
         if nbytes > len(pages) * self.page_size:
             raise ValueError(f"{nbytes} bytes do not fit in {len(pages)} pages of {self.page_size} bytes")
@@ -223,7 +223,7 @@ class PagePool:
             left -= size
         return views
 
-    def _runs(self, pages: list[int]) -> Iterator[tuple[int, int, int]]:
+    def _runs(self, pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         """(chunk index, first page, page count) of each run of consecutive pages inside one chunk."""
         i = 0
         while i < len(pages):
