@@ -33,7 +33,7 @@ import time
 import warnings
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -43,7 +43,7 @@ from daf.config import Config
 from daf.format import Packed, payload_bytes
 from daf.memory.errors import OutOfBudget, SpillError, StoreClosed
 from daf.memory.index import ImportanceIndex, by_importance, by_need
-from daf.memory.pool import PagePool
+from daf.memory.pool import PagePool, copy_bytes
 from daf.memory.spill import SpillHandle, SpillStore
 from daf.memory.store import lookup
 
@@ -64,7 +64,8 @@ class _Record:
     importance: float
     header: Packed  # the record's Packed with an empty payload: shape, bits, exception side table
     nbytes: int
-    pages: list[int] | None = None
+    pages: Sequence[int] | None = None
+    view: torch.Tensor | None = None  # its payload in the pool while it is resident in one run of pages (put's copy)
     spilled: SpillHandle | None = None
     loading: Future | None = None
     staged: torch.Tensor | None = None  # its payload read back outside the pool: it was too large for the budget
@@ -248,7 +249,12 @@ class PagedStore:
     def _place(self, record: _Record, payload: torch.Tensor) -> None:
         pool = self._pool(payload.device)
         record.pages = pool.allocate(pool.pages_for(payload.numel()))
-        pool.write(record.pages, payload)
+        views = pool.views(record.pages, payload.numel())
+        if len(views) == 1:  # the usual case: get hands out this view without looking the pages up again
+            record.view = views[0]
+            copy_bytes(record.view, payload)
+        else:
+            pool.write(record.pages, payload)
         self._index_resident(record)
 
     def _index_resident(self, record: _Record) -> None:
@@ -264,7 +270,7 @@ class PagedStore:
             self._resident.discard(record)
             self._demotable.discard(record)
         self._pools[record.device].free(record.pages)
-        record.pages = None
+        record.pages = record.view = None
 
     def _resident_or_read(self, record: _Record, waited: bool = False) -> Packed:
         if record.failure is not None:
@@ -297,6 +303,8 @@ class PagedStore:
         return _with_payload(packed, empty)
 
     def _gather(self, record: _Record) -> torch.Tensor:
+        if record.view is not None:
+            return record.view
         return self._pools[record.device].read(record.pages, record.nbytes)
 
     # -- the budget: demote, spill, refuse -------------------------------------------------
@@ -490,7 +498,7 @@ class PagedStore:
         """Free what a read back was filling (pages or the buffer outside the pool); the file stays."""
         if record.pages is not None:
             self._pools[record.device].free(record.pages)
-            record.pages = None
+            record.pages = record.view = None
         if record.staged is not None:
             self._staged_bytes -= record.staged.numel()
             record.staged = None
@@ -586,6 +594,7 @@ class PagedStore:
                 assert (record in self._demotable) == (indexed and self._can_demote(record))
                 assert (record in self._spilled) == (
                     state == (False, True, False) and record.failure is None and not record.direct)
+                assert record.view is None or (record.pages is not None and record.view.numel() == record.nbytes)
                 if record.pages is not None:
                     assert len(record.pages) == -(-record.nbytes // self.page_size)
                     used += len(record.pages) * self.page_size

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from daf.memory.free_runs import FreeRuns
 
-__all__ = ["PagePool", "PoolExhausted"]
+__all__ = ["PagePool", "PoolExhausted", "copy_bytes"]
 
 def _huge_page_bytes() -> int:
     """The transparent huge page size (Linux), else 2 MiB."""
@@ -73,7 +73,7 @@ def _reserve(nbytes: int, device: torch.device, huge: int) -> tuple[torch.Tensor
     return torch.frombuffer(mapping, dtype=torch.uint8), _Mapping(mapping, unit)  # the tensor keeps it alive
 
 
-def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[:] = src for two contiguous uint8 tensors of one size. On the CPU one ``memmove`` on this
     thread: ``copy_`` splits a copy above 32K elements over the intra-op threads, and when another
     process holds the other core the wait for that thread is what it costs (a 1.6 MB record: 12 ms
@@ -189,7 +189,7 @@ class PagePool:
         """
         offset = 0
         for view in self.views(pages, payload.numel()):
-            _copy_bytes(view, payload[offset: offset + view.numel()])
+            copy_bytes(view, payload[offset: offset + view.numel()])
             offset += view.numel()
 
     def read(self, pages: Sequence[int], nbytes: int) -> torch.Tensor:
@@ -204,7 +204,7 @@ class PagePool:
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         offset = 0
         for view in views:
-            _copy_bytes(out[offset: offset + view.numel()], view)
+            copy_bytes(out[offset: offset + view.numel()], view)
             offset += view.numel()
         return out
 
