@@ -2,9 +2,15 @@
 
 A record of a few MiB takes hundreds of 4 KiB pages, nearly always one run: kept page by page
 (a sorted list of ids) every ``put`` and ``release`` paid O(pages * log) Python work, about
-0.3 ms per 2 MiB record each way. As runs, taking and giving back a record costs O(runs it
-touches * log(runs)); pages taken from one run are handed out as a ``range`` (O(1), no list of
-ids), from several as a list.
+0.3 ms per 2 MiB record each way. As runs, taking and giving back a record costs O(log(runs))
+comparisons plus moving at most ``runs`` list entries; pages taken from one run are handed out
+as a ``range`` (O(1), no list of ids), from several as a list.
+
+The runs are two parallel sorted lists searched with the standard ``bisect`` (in C), not a
+``sortedcontainers.SortedDict``: a pool holds a handful of runs, and every ``put`` and
+``release`` of a training step comes here, where the SortedDict's own Python calls (about 15
+per operation) cost more than the rest of the pool's bookkeeping (ResNet-18 at batch 128: 54
+records a step, 1.5 ms taking and 2 ms giving back pages on the SortedDict; docs/paging.md).
 
 >>> free = FreeRuns()
 >>> free.add(0, 10)
@@ -18,9 +24,8 @@ range(0, 4)
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator, Sequence
-
-from sortedcontainers import SortedDict
 
 __all__ = ["FreeRuns"]
 
@@ -29,21 +34,23 @@ class FreeRuns:
     """Free page ids as disjoint, non-adjacent runs ``[start, end)``, lowest first."""
 
     def __init__(self) -> None:
-        self._runs = SortedDict()  # start -> end (exclusive)
+        self._starts: list[int] = []  # ascending
+        self._ends: list[int] = []  # _ends[i]: the exclusive end of the run that starts at _starts[i]
         self._count = 0
 
     def __len__(self) -> int:
         return self._count
 
     def __iter__(self) -> Iterator[int]:
-        for start, end in self._runs.items():
+        for start, end in zip(self._starts, self._ends):
             yield from range(start, end)
 
     def runs(self) -> list[tuple[int, int]]:
-        return list(self._runs.items())
+        return list(zip(self._starts, self._ends))
 
     def clear(self) -> None:
-        self._runs.clear()
+        self._starts.clear()
+        self._ends.clear()
         self._count = 0
 
     def add(self, start: int, count: int) -> None:
@@ -53,21 +60,24 @@ class FreeRuns:
         if count <= 0:
             return
         end = start + count
-        index = self._runs.bisect_right(start)
-        if index > 0:
-            before_start, before_end = self._runs.peekitem(index - 1)
-            if before_end > start:
-                raise ValueError(f"page {start} is free already (in the free run [{before_start}, {before_end}))")
-        if index < len(self._runs):
-            after_start, after_end = self._runs.peekitem(index)
-            if after_start < end:
-                raise ValueError(f"page {after_start} is free already (in the free run [{after_start}, {after_end}))")
-            if after_start == end:
-                end = after_end
-                del self._runs[after_start]
-        if index > 0 and before_end == start:
-            start = before_start
-        self._runs[start] = end
+        starts, ends = self._starts, self._ends
+        index = bisect_right(starts, start)  # runs before it: [0, index)
+        if index > 0 and ends[index - 1] > start:
+            raise ValueError(f"page {start} is free already (in the free run [{starts[index - 1]}, {ends[index - 1]}))")
+        if index < len(starts) and starts[index] < end:
+            raise ValueError(f"page {starts[index]} is free already (in the free run [{starts[index]}, {ends[index]}))")
+        joins_before = index > 0 and ends[index - 1] == start
+        joins_after = index < len(starts) and starts[index] == end
+        if joins_before and joins_after:  # fills the gap between two runs
+            ends[index - 1] = ends[index]
+            del starts[index], ends[index]
+        elif joins_before:
+            ends[index - 1] = end
+        elif joins_after:
+            starts[index] = start
+        else:
+            starts.insert(index, start)
+            ends.insert(index, end)
         self._count += count
 
     def give(self, pages: Sequence[int]) -> None:
@@ -75,10 +85,10 @@ class FreeRuns:
         if not pages:
             return
         if isinstance(pages, range) and pages.step == 1:
-            self.add(pages.start, len(pages))  # what take hands out: O(log(runs)), no list
+            self.add(pages.start, len(pages))  # what take hands out: no list
             return
         if pages[-1] - pages[0] == len(pages) - 1 and pages == list(range(pages[0], pages[-1] + 1)):
-            self.add(pages[0], len(pages))  # the usual case: one run, compared in C
+            self.add(pages[0], len(pages))  # one run, compared in C
             return
         ordered = sorted(pages)
         first = previous = ordered[0]
@@ -95,11 +105,9 @@ class FreeRuns:
         >>> free = FreeRuns(); free.add(0, 4); free.add(6, 2); free.run_of(7)
         (6, 8)
         """
-        index = self._runs.bisect_right(page) - 1
-        if index >= 0:
-            start, end = self._runs.peekitem(index)
-            if page < end:
-                return start, end
+        index = bisect_right(self._starts, page) - 1
+        if index >= 0 and page < self._ends[index]:
+            return self._starts[index], self._ends[index]
         raise KeyError(f"page {page} is not free")
 
     def take(self, count: int) -> Sequence[int]:
@@ -107,32 +115,35 @@ class FreeRuns:
         all (the usual case), else a list. The caller checks ``len`` first."""
         if count > self._count:
             raise ValueError(f"{count} pages asked for, {self._count} free")
-        if count and self._runs:
-            start, end = self._runs.peekitem(0)
-            if end - start >= count:
-                del self._runs[start]
-                if start + count < end:
-                    self._runs[start + count] = end
-                self._count -= count
-                return range(start, start + count)
+        starts, ends = self._starts, self._ends
+        if count and starts and ends[0] - starts[0] >= count:
+            start = starts[0]
+            if ends[0] - start == count:
+                del starts[0], ends[0]
+            else:
+                starts[0] = start + count
+            self._count -= count
+            return range(start, start + count)
         pages: list[int] = []
         while len(pages) < count:
-            start, end = self._runs.popitem(0)
+            start, end = starts[0], ends[0]
             stop = min(end, start + count - len(pages))
             pages.extend(range(start, stop))
             if stop < end:
-                self._runs[stop] = end
+                starts[0] = stop
+            else:
+                del starts[0], ends[0]
         self._count -= count
         return pages
 
     def _check(self) -> None:
         """Assert the runs are disjoint, non-adjacent and add up to the count. O(runs)."""
+        assert len(self._starts) == len(self._ends)
         previous_end = None
         total = 0
-        for start, end in self._runs.items():
+        for start, end in zip(self._starts, self._ends):
             assert start < end, (start, end)
             assert previous_end is None or previous_end < start, (previous_end, start)
             previous_end = end
             total += end - start
         assert total == self._count, (total, self._count)
-
