@@ -166,18 +166,34 @@ void select(const uint8_t* bits, int64_t n, U low, U high, U* out) {
   });
 }
 
+// out[j] = codes[j] ? high : low for one-byte codes 0/1: a plain loop GCC vectorizes.
+template <typename U>
+inline void widen(const uint8_t* __restrict codes, int64_t n, U low, U high, U* __restrict out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = codes[j] ? high : low;
+}
+
 // select() of n images of c x hw elements whose bits are in NCHW order, written channels-last
-// (NHWC): each image selected into a staging buffer and moved transposed, one pass over the output.
-// c * hw must be a multiple of 8, so that every image's bits start on a whole byte.
+// (NHWC), one pass over the output. Per image, the bits become one byte each, the bytes are moved
+// transposed (16 x 16 blocks), and each byte is widened to its value as the output is written in
+// order: the transpose moves a quarter of what moving the values would for 4-byte ones (a float32
+// ReLU mask of 128 x 64 x 28 x 28 in ResNet-18's step: 1.34 ms when the values were moved). Values
+// of one byte are selected into place and moved as they are. c * hw must be a multiple of 8, so
+// that every image's bits start on a whole byte.
 template <typename U>
 void select_channels_last(const uint8_t* bits, int64_t n, int64_t c, int64_t hw, U low, U high, U* out) {
   const int64_t image = c * hw;
   at::parallel_for(0, n, std::max<int64_t>(1, transpose::kGrainElements / std::max<int64_t>(1, image)),
                    [&](int64_t first, int64_t last) {
-    std::vector<U> staged(image);
+    std::vector<uint8_t> codes(image), moved(sizeof(U) == 1 ? 0 : image);
     for (int64_t i = first; i < last; ++i) {
-      select_span(bits + i * image / 8, image, low, high, staged.data());
-      transpose::image_to_nhwc(staged.data(), out + i * image, c, hw);
+      if constexpr (sizeof(U) == 1) {
+        select_span(bits + i * image / 8, image, low, high, reinterpret_cast<U*>(codes.data()));
+        transpose::image_to_nhwc(reinterpret_cast<const U*>(codes.data()), out + i * image, c, hw);
+      } else {
+        select_span<uint8_t>(bits + i * image / 8, image, 0, 1, codes.data());
+        transpose::image_to_nhwc(codes.data(), moved.data(), c, hw);
+        widen(moved.data(), image, low, high, out + i * image);
+      }
     }
   });
 }
