@@ -24,6 +24,38 @@ def test_overhead_table_and_json(tmp_path, capsys):
     assert math.isclose(result["step_ratio"], overhead.step_ratio(result["rows"]))
 
 
+def test_the_arms_take_turns_going_first(monkeypatch):
+    """DAF must not always run after the same arm: rounds alternate fp32 first and DAF first."""
+    import daf
+    import daf.tracing
+
+    ran, tracking = [], []
+    timed = overhead.timed_step
+
+    class Tracker(daf.tracing.OpTracker):  # says when the tracker arm runs
+        def __enter__(self):
+            tracking.append(True)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            tracking.pop()
+            return super().__exit__(*exc)
+
+    def recording(workload, model, optimizer, batch, now):
+        try:
+            daf.session_of(model)
+            ran.append("daf")
+        except ValueError:
+            ran.append("tracker" if tracking else "fp32")
+        return timed(workload, model, optimizer, batch, now)
+
+    monkeypatch.setattr(daf.tracing, "OpTracker", Tracker)
+    monkeypatch.setattr(overhead, "timed_step", recording)
+    overhead.measure("tiny-mnist", 16, steps=3, warmup=1, options={"train_size": 128})
+    rounds = [tuple(ran[i:i + 3]) for i in range(0, len(ran), 3)]
+    assert rounds == [("fp32", "tracker", "daf"), ("daf", "tracker", "fp32")] * 2
+
+
 def test_step_ratio_is_the_median_of_each_rounds_ratio():
     rows = [{"fp32": 1.0, "daf": 1.1}, {"fp32": 4.0, "daf": 4.0}, {"fp32": 2.0, "daf": 2.6}]
     # the medians of the arms (2.0 and 2.6) would say 1.3; round by round the ratios are 1.1, 1.0, 1.3

@@ -1,7 +1,8 @@
 """Where a DAF training step's extra time goes, per component: ``python -m daf.bench overhead``.
 
 Two models of one workload (same weights, same batches) train step by step in turn, one
-plain and one under ``daf.wrap``; a third runs plain under DAF's op tracker alone. The DAF
+plain and one under ``daf.wrap``; a third runs plain under DAF's op tracker alone. The order of the
+three alternates from round to round (fp32 first, then DAF first). The DAF
 session's codecs, store and policy are wrapped in timers, and so are its two hooks. Per step:
 
 - ``encode[NAME]`` / ``decode[TYPE]``: the codecs (``codes``, ``relu_mask``, ``mask``);
@@ -122,16 +123,27 @@ def measure(workload_name: str, batch: int, steps: int = 5, warmup: int = 2, opt
     rows: list[dict[str, float]] = []
     for index, data in enumerate(batches):
         timers.seconds.clear()
-        row = {"fp32": timed_step(workload, models["fp32"], optimizers["fp32"], data, now)}
-        with OpTracker(lambda call: None):
-            row["tracker"] = timed_step(workload, models["tracker"], optimizers["tracker"], data, now)
-        row["daf"] = timed_step(workload, models["daf"], optimizers["daf"], data, now)
+        row: dict[str, float] = {}
+        for arm in _turn_order(index):
+            if arm == "tracker":
+                with OpTracker(lambda call: None):
+                    row[arm] = timed_step(workload, models[arm], optimizers[arm], data, now)
+            else:
+                row[arm] = timed_step(workload, models[arm], optimizers[arm], data, now)
         row.update(timers.seconds)
         if index >= warmup:
             rows.append(row)
     return {"workload": workload_name, "batch": batch, "steps": steps, "warmup": warmup, "clock": clock,
             "config": daf.session_of(models["daf"]).config.to_dict(),
             "threads": torch.get_num_threads(), "options": options or {}, "components": _components(rows), "step_ratio": step_ratio(rows), "rows": rows}
+
+
+def _turn_order(index: int) -> tuple[str, ...]:
+    """The arms of round ``index``: fp32 first in even rounds, DAF first in odd ones, so that neither
+    always runs after the other (a step finds the caches and the allocator as the step before it left
+    them; with a fixed order DAF always followed the tracker arm)."""
+    order = ("fp32", "tracker", "daf")
+    return order if index % 2 == 0 else order[::-1]
 
 
 def _components(rows: list[dict[str, float]]) -> dict[str, float]:
