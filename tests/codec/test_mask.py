@@ -168,8 +168,9 @@ def _whole_tensor_pack(bits):
 @pytest.mark.parametrize("numel", [1, 7, 64, 65, 130, 1000, 4099])
 def test_sliced_passes_give_the_whole_tensor_bytes_across_slice_edges(monkeypatch, numel):
     import daf.codec.mask as mask
-    monkeypatch.setattr(mask, "_CHUNK", 64)
-    monkeypatch.setattr(mask, "_SAMPLE", 16)
+    import daf.kernels.mask_reference as reference
+    monkeypatch.setattr(reference, "CHUNK", 64)
+    monkeypatch.setattr(reference, "SAMPLE", 16)
     generator = torch.Generator().manual_seed(numel)
     x = torch.randn(numel, generator=generator)
     relu = x.clamp(min=0)
@@ -188,8 +189,8 @@ def test_sliced_passes_give_the_whole_tensor_bytes_across_slice_edges(monkeypatc
 
 
 def test_two_values_of_a_constant_tensor_longer_than_a_slice(monkeypatch):
-    import daf.codec.mask as mask
-    monkeypatch.setattr(mask, "_CHUNK", 64)
+    import daf.kernels.mask_reference as reference
+    monkeypatch.setattr(reference, "CHUNK", 64)
     x = torch.full((1000,), -0.0)
     assert two_values(x) == (-0.0, -0.0)
     x[999] = 0.0  # +0.0 differs from -0.0 bit for bit

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from daf.codec import mask
 from daf.codec.nonzeros import nonzeros_of, scatter_nonzeros
 from daf.kernels import mask_ops, mask_reference
+from daf.kernels.mask_reference import INT_VIEW
 
 DEFAULT = torch._C.DispatchKey.CompositeExplicitAutograd
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -78,6 +79,54 @@ def test_mask_encode_and_select_are_the_reference_bitwise(extension, n, dtype, s
     for select in (native, default):
         got = select("mask_select", expected, n, values)
         assert got.dtype == dtype and torch.equal(got.view(ints), values.view(ints)[(codes != codes[0]).long()])
+
+
+@settings(max_examples=120, deadline=None)
+@given(n=st.integers(1, 3000), dtype=st.sampled_from([*FLOATS, torch.bool]), seed=st.integers(0, 2**16),
+       kinds=st.integers(1, 3), at=st.floats(0, 1))
+def test_mask_second_is_the_reference(extension, n, dtype, seed, kinds, at):
+    """Where the second bit pattern is, or -1 for a third: native and reference (in short slices, so that
+    their edges are crossed) agree, and both agree with a count of the distinct patterns."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        pool = torch.tensor([True, False])
+    else:
+        pool = torch.tensor(SPECIAL)[torch.randperm(len(SPECIAL), generator=g)[:3]].to(dtype)
+    x = pool[:1].expand(n).clone()
+    if kinds >= 2 and n > 1:
+        x[torch.rand(n, generator=g) < 0.5] = pool[1]
+    if kinds == 3 and n > 1 and dtype != torch.bool:
+        x[min(n - 1, int(at * n))] = pool[2]  # one third value anywhere: first, middle, past a slice, last
+    codes = x.view(INT_VIEW[dtype])
+    distinct = len(set(codes.tolist()))
+    expected = -1 if distinct > 2 else (0 if distinct == 1 else int((codes != codes[0]).long().argmax()))
+    assert native("mask_second", x).item() == expected
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mask_reference, "CHUNK", 64)
+        patch.setattr(mask_reference, "SAMPLE", 16)
+        assert default("mask_second", x).item() == expected
+
+
+@pytest.mark.parametrize("n", LARGE)
+def test_mask_second_across_units_and_threads(extension, n):
+    x = (torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.5).float() * 2.0
+    x[0] = 0.0
+    where = int((x != 0).long().argmax())
+    assert native("mask_second", x).item() == where == default("mask_second", x).item()
+    for third_at in (where + 1, n // 2, n - 1):  # a third value just after the second, mid-way, last
+        y = x.clone()
+        y[third_at] = 3.0
+        assert native("mask_second", y).item() == -1 == default("mask_second", y).item()
+
+
+def test_mask_second_refuses_what_cannot_be_a_mask(extension):
+    for op in (native, default):
+        with pytest.raises(ValueError, match="non-empty"):
+            op("mask_second", torch.empty(0))
+        with pytest.raises(ValueError, match="non-empty"):
+            op("mask_second", torch.zeros(4, dtype=torch.int32))
+        with pytest.raises(ValueError, match="flat"):
+            op("mask_second", torch.zeros(2, 2))
 
 
 @settings(max_examples=60, deadline=None)

@@ -22,7 +22,6 @@ Two cases, both safe whatever the consumer is:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +34,9 @@ __all__ = ["MaskPacked", "ReluMaskPacked", "MaskCodec", "ReluMaskCodec", "two_va
            "encode_relu_mask", "decode_mask", "decode_relu_mask", "mask_bits", "mask_bytes", "MASK_DTYPES"]
 
 MASK_DTYPES = tuple(MASK_INT_VIEW)
-_SAMPLE = 4096
 # Elements read first, as Python ints: three distinct values among them refuse most activations
 # with two torch calls instead of the sample's dozen (two_values runs on every coded save).
 _HEAD = 16
-# Elements per slice of two_values' scan: its temporaries are 1-2 bytes per element of a slice.
-_CHUNK = 1 << 20
 
 
 def _ops() -> Any:
@@ -70,39 +66,22 @@ class ReluMaskPacked(MaskPacked):
     the 0/1 tensor ``decode_relu_mask`` gives in place of the output."""
 
 
-def _chunks(numel: int, first: int = _CHUNK) -> Iterator[tuple[int, int]]:
-    """``(start, end)`` of consecutive slices of ``numel`` elements, the first ``first`` long, then
-    ``_CHUNK`` long: a pass over a tensor allocates temporaries of one slice, never of the tensor."""
-    start, size = 0, first
-    while start < numel:
-        yield start, min(start + size, numel)
-        start, size = start + size, _CHUNK
-
-
 def two_values(x: torch.Tensor) -> tuple[float, float] | None:
     """``(low, high)`` if every element of ``x`` is bit-for-bit one of two values, else None.
 
-    x: float16|bfloat16|float32|float64|bool [*]. Looks at the first 4096 elements in
-    memory order before reading the rest, so most tensors are refused in O(4096).
-    ``low`` is the value of the first element. O(numel) worst case, temporaries O(1 MiB).
+    x: float16|bfloat16|float32|float64|bool [*]. Reads the first 16 elements in memory order first,
+    which refuse most activations, then the rest in one pass (``daf::mask_second``: on the kernels,
+    no temporaries; the reference stops at the slice where a third value shows). ``low`` is the value
+    of the first element. O(numel) worst case.
     """
     if x.dtype not in MASK_INT_VIEW or x.numel() == 0 or x.is_meta:
         return None
     flat, _ = flatten_memory_order(x.detach())
-    codes = flat.view(MASK_INT_VIEW[x.dtype])
-    if len(set(codes[:_HEAD].tolist())) > 2:
+    if len(set(flat.view(MASK_INT_VIEW[x.dtype])[:_HEAD].tolist())) > 2:
         return None
-    first, second, where = codes[:1], None, 0
-    for start, end in _chunks(codes.numel(), _SAMPLE):
-        part = codes[start:end]
-        if second is None:
-            other = part != first
-            if not bool(other.any()):
-                continue
-            where = start + int(other.view(torch.uint8).argmax())  # the first element that differs
-            second = codes[where:where + 1]
-        if not bool(((part == first) | (part == second)).all()):
-            return None
+    where = int(_ops().mask_second(flat))  # one pass on the kernels (the reference: slices of the tensor)
+    if where < 0:
+        return None
     return _scalar(flat[0]), _scalar(flat[where])
 
 

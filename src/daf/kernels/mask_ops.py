@@ -8,6 +8,9 @@ same bytes. All tensors are flat and contiguous, in memory order.
 
 - ``daf::relu_mask_encode(Tensor x) -> Tensor``: uint8 [ceil(n / 8)], bit ``not (x <= 0)``
 - ``daf::mask_encode(Tensor x) -> Tensor``: bit set where ``x`` differs bitwise from ``x[0]``
+- ``daf::mask_second(Tensor x) -> Tensor``: int64 [], where the second bit pattern of ``x`` is (the first
+  element that differs from ``x[0]``; 0 when none does), -1 when ``x`` holds three or more: whether
+  ``x`` can be a mask at all, in one pass without temporaries
 - ``daf::mask_unpack(Tensor bits, SymInt numel) -> Tensor``: bool [numel]
 - ``daf::mask_select(Tensor bits, SymInt numel, Tensor values) -> Tensor``: ``values[bit]``, bitwise
 - ``daf::mask_select_channels_last(Tensor bits, SymInt[] shape, Tensor values) -> Tensor``: ``mask_select``
@@ -35,11 +38,12 @@ from daf.kernels.mask_reference import INT_VIEW, check_count, mask_bytes
 
 __all__ = ["register_native", "native_registered", "MASK_OPS"]
 
-MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_unpack", "mask_select", "mask_select_channels_last",
+MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_second", "mask_unpack", "mask_select", "mask_select_channels_last",
             "relu_nonzeros", "mask_scatter", "nonzeros_decode_scatter")
 _SCHEMAS = {
     "relu_mask_encode": "(Tensor x) -> Tensor",
     "mask_encode": "(Tensor x) -> Tensor",
+    "mask_second": "(Tensor x) -> Tensor",
     "mask_unpack": "(Tensor bits, SymInt numel) -> Tensor",
     "mask_select": "(Tensor bits, SymInt numel, Tensor values) -> Tensor",
     "mask_select_channels_last": "(Tensor bits, SymInt[] shape, Tensor values) -> Tensor",
@@ -93,6 +97,18 @@ def _mask_encode(x: torch.Tensor) -> torch.Tensor:
     return reference.mask_encode(x.contiguous())
 
 
+def _check_second(x: torch.Tensor) -> None:
+    _flat(x, "x")
+    if x.dtype not in INT_VIEW or x.numel() == 0:
+        raise ValueError(f"mask_second takes a non-empty tensor of one of {tuple(INT_VIEW)}, got {x.dtype} "
+                         f"[{x.numel()}]")
+
+
+def _mask_second(x: torch.Tensor) -> torch.Tensor:
+    _check_second(x)
+    return reference.mask_second(x.contiguous())
+
+
 def _mask_unpack(bits: torch.Tensor, numel: int) -> torch.Tensor:
     _check_bits(bits, numel)
     return reference.mask_unpack(bits, numel)
@@ -142,7 +158,8 @@ def _nonzeros_decode_scatter(payload: torch.Tensor, count: int, bits: int, group
     return reference.mask_scatter(values, mask, numel)
 
 
-_DEFAULTS = {"relu_mask_encode": _relu_mask_encode, "mask_encode": _mask_encode, "mask_unpack": _mask_unpack,
+_DEFAULTS = {"relu_mask_encode": _relu_mask_encode, "mask_encode": _mask_encode, "mask_second": _mask_second,
+             "mask_unpack": _mask_unpack,
              "mask_select": _mask_select, "mask_select_channels_last": _mask_select_channels_last,
              "relu_nonzeros": _relu_nonzeros, "mask_scatter": _mask_scatter,
              "nonzeros_decode_scatter": _nonzeros_decode_scatter}
@@ -160,6 +177,11 @@ def _relu_mask_encode_fake(x):
 @torch.library.register_fake("daf::mask_encode")
 def _mask_encode_fake(x):
     return x.new_empty(mask_bytes(x.numel()), dtype=torch.uint8)
+
+
+@torch.library.register_fake("daf::mask_second")
+def _mask_second_fake(x):
+    return x.new_empty((), dtype=torch.int64)
 
 
 @torch.library.register_fake("daf::mask_unpack")
@@ -217,6 +239,13 @@ def _native_kernels(ext: ModuleType) -> dict:
         if x.numel():
             ext.mask_encode(x.data_ptr(), x.numel(), x.element_size(), out.data_ptr())
         return out
+
+    def mask_second(x: torch.Tensor) -> torch.Tensor:
+        _check_second(x)
+        if not x.is_cpu:
+            return _mask_second(x)
+        x = x.contiguous()
+        return torch.tensor(ext.mask_second(x.data_ptr(), x.numel(), x.element_size()))
 
     def mask_unpack(bits: torch.Tensor, numel: int) -> torch.Tensor:
         _check_bits(bits, numel)
@@ -295,7 +324,8 @@ def _native_kernels(ext: ModuleType) -> dict:
         check_count(set_bits, count)
         return out
 
-    return {"relu_mask_encode": relu_mask_encode, "mask_encode": mask_encode, "mask_unpack": mask_unpack,
+    return {"relu_mask_encode": relu_mask_encode, "mask_encode": mask_encode, "mask_second": mask_second,
+            "mask_unpack": mask_unpack,
             "mask_select": mask_select, "mask_select_channels_last": mask_select_channels_last,
             "relu_nonzeros": relu_nonzeros, "mask_scatter": mask_scatter,
             "nonzeros_decode_scatter": nonzeros_decode_scatter}

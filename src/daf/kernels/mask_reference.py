@@ -22,8 +22,8 @@ import torch
 
 from daf.format import MASK_INT_VIEW, mask_bytes
 
-__all__ = ["relu_mask_encode", "mask_encode", "mask_unpack", "mask_select", "relu_nonzeros", "mask_scatter",
-           "mask_bytes", "INT_VIEW"]
+__all__ = ["relu_mask_encode", "mask_encode", "mask_second", "mask_unpack", "mask_select", "relu_nonzeros",
+           "mask_scatter", "mask_bytes", "INT_VIEW"]
 
 INT_VIEW = MASK_INT_VIEW
 # Elements per slice (a multiple of 8): a whole-tensor bool and its shifted copy would add up to
@@ -51,6 +51,30 @@ def mask_encode(x: torch.Tensor) -> torch.Tensor:
     codes = x.view(INT_VIEW[x.dtype])
     first = codes[:1]
     return _pack_bits(codes, lambda part: part != first)
+
+
+# The first slice that mask_second reads: most tensors with more than two values show a third within it.
+SAMPLE = 4096
+
+
+def mask_second(x: torch.Tensor) -> torch.Tensor:
+    """Whether ``x`` holds at most two bit patterns, and where the second is: x [n >= 1] of a dtype in
+    ``INT_VIEW`` -> int64 []: the index of the first element that differs bitwise from ``x[0]``, 0 when
+    none does, -1 when ``x`` holds three or more. O(n), and it stops at the slice where a third shows."""
+    codes = x.view(INT_VIEW[x.dtype])
+    first, second, where = codes[:1], None, 0
+    start, size = 0, SAMPLE
+    while start < codes.numel():
+        part = codes[start:start + size]
+        if second is None:
+            other = part != first
+            if bool(other.any()):
+                where = start + int(other.view(torch.uint8).argmax())  # the first element that differs
+                second = codes[where:where + 1]
+        if second is not None and not bool(((part == first) | (part == second)).all()):
+            return torch.tensor(-1, device=x.device)
+        start, size = start + size, CHUNK
+    return torch.tensor(where, device=x.device)
 
 
 def mask_unpack(bits: torch.Tensor, numel: int) -> torch.Tensor:

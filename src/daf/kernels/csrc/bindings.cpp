@@ -174,6 +174,15 @@ void mask_encode(int64_t x, int64_t n, int64_t width, int64_t out) {
   });
 }
 
+// x: n >= 1 elements of `width` bytes. masks::second_value: the index of the second bit pattern, 0, or -1.
+int64_t mask_second(int64_t x, int64_t n, int64_t width) {
+  if (n < 1) throw std::invalid_argument("mask_second needs at least one element");
+  return with_width(width, [&](auto zero) {
+    using U = decltype(zero);
+    return masks::second_value(at_address<const U>(x), n);
+  });
+}
+
 // out[j] = values[bit j], values: 2 elements of `width` bytes (low, high), copied bitwise.
 void mask_select(int64_t bits, int64_t n, int64_t width, int64_t values, int64_t out) {
   with_width(width, [&](auto zero) {
@@ -270,6 +279,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("relu_mask_encode", &daf::relu_mask_encode, "ReLU mask bits not (x <= 0)", py::call_guard<py::gil_scoped_release>());
   m.def("mask_encode", &daf::mask_encode, "two-valued mask bits", py::call_guard<py::gil_scoped_release>());
+  m.def("mask_second", &daf::mask_second, "where the second bit pattern is, or -1 for a third",
+        py::call_guard<py::gil_scoped_release>());
   m.def("mask_select", &daf::mask_select, "mask bits to one of two values", py::call_guard<py::gil_scoped_release>());
   m.def("mask_select_channels_last", &daf::mask_select_channels_last,
         "mask bits of NCHW elements to one of two values, written channels-last",

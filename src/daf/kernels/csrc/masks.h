@@ -124,6 +124,30 @@ void pack(const U* x, int64_t n, const F bit, uint8_t* out) {
   });
 }
 
+// Where the second bit pattern of x[0, n) is (the first element that differs from x[0]; 0 when none
+// does), or -1 when x holds three or more: whether x can be a two-valued mask, in one pass with no
+// temporaries (the plain-PyTorch scan made three full-size comparisons per slice). The search for the
+// second value runs on the calling thread (it is nearly always within the first elements); the check
+// of the rest is split over threads, in blocks, each stopping once any has found a third value.
+template <typename U>
+int64_t second_value(const U* x, int64_t n) {
+  const U first = x[0];
+  int64_t where = 1;
+  while (where < n && x[where] == first) ++where;
+  if (where == n) return 0;
+  const U second = x[where];
+  std::atomic<bool> third{false};
+  at::parallel_for(where + 1, n, kUnit * kGrainUnits, [&](int64_t begin, int64_t end) {
+    for (int64_t start = begin; start < end && !third.load(std::memory_order_relaxed); start += kUnit) {
+      const int64_t stop = std::min(end, start + kUnit);
+      uint8_t other = 0;
+      for (int64_t j = start; j < stop; ++j) other |= static_cast<uint8_t>((x[j] != first) & (x[j] != second));
+      if (other) third.store(true, std::memory_order_relaxed);
+    }
+  });
+  return third.load() ? -1 : where;
+}
+
 // The mask's codes 0/1 of elements [j, j + m) (m <= 64; j a multiple of 64) into codes.
 inline void codes_at(const uint8_t* bits, int64_t j, int64_t m, uint8_t* codes) {
   if (m == kChunk) {
