@@ -7,7 +7,7 @@ The SIMD flags follow ``torch.backends.cpu.get_cpu_capability()``: without the m
 ``CPU_CAPABILITY`` defines ``at::vec::Vectorized`` silently falls back to its slow generic
 version.
 On success the kernels become the CPU implementation of the ``torch.ops.daf`` ops
-(``register_native`` of ``daf.kernels.ops``, ``mask_ops`` and ``layout_ops``).
+(``register_native`` of ``daf.kernels.ops``, ``mask_ops``, ``layout_ops`` and ``reduce_ops``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ __all__ = ["Extension", "load_extension", "simd_flags"]
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp",)
-HEADERS = ("format1.h", "codes.h", "codes_avx2.h", "codes_avx512.h", "kernels.h", "masks.h", "nonzeros.h", "transpose.h")
+HEADERS = ("columns.h", "format1.h", "codes.h", "codes_avx2.h", "codes_avx512.h", "kernels.h", "masks.h", "nonzeros.h", "transpose.h")
 
 # -ffp-contract=off: the reference rounds a * b + c twice; a contracted FMA would round once.
 BASE_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -78,11 +78,12 @@ def load_extension() -> Extension:
             extra_include_paths=[str(SOURCE_DIR)],
             verbose=False,
         )
-        from daf.kernels import layout_ops, mask_ops, ops
+        from daf.kernels import layout_ops, mask_ops, ops, reduce_ops
 
         ops.register_native(module)
         mask_ops.register_native(module)
         layout_ops.register_native(module)
+        reduce_ops.register_native(module)
     except Exception as error:  # compiler missing, build error, loader error: all mean "use the reference"
         reason = f"{type(error).__name__}: {_first_line(error)}"
         warnings.warn(f"DAF native kernels unavailable, using the reference codec ({reason})",

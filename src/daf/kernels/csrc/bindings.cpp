@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "columns.h"
 #include "kernels.h"
 #include "masks.h"
 #include "nonzeros.h"
@@ -253,6 +254,12 @@ void channels_last_copy(int64_t x, int64_t n, int64_t c, int64_t hw, int64_t wid
   });
 }
 
+// m: rows x cols contiguous float32 (rows >= 1); out: cols float32, the largest |m| of each column.
+void column_absmax(int64_t m, int64_t rows, int64_t cols, int64_t out) {
+  if (rows < 1 || cols < 0) throw std::invalid_argument("column_absmax needs rows >= 1 and cols >= 0");
+  columns::absmax(at_address<const float>(m), rows, cols, at_address<float>(out));
+}
+
 std::string build_info() {
 #if defined(CPU_CAPABILITY_AVX512)
   const char* isa = "avx512";
@@ -295,6 +302,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a ReLU output from the codes of its nonzeros and its mask; returns the set bits",
         py::call_guard<py::gil_scoped_release>());
   m.def("channels_last_copy", &daf::channels_last_copy, "NCHW elements copied in NHWC order",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("column_absmax", &daf::column_absmax, "the largest magnitude of each column, NaN where one is",
         py::call_guard<py::gil_scoped_release>());
   m.def("mask_unit", []() { return daf::masks::kUnit; });
   m.def("build_info", &daf::build_info);
