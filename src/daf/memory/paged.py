@@ -43,7 +43,7 @@ from daf.config import Config
 from daf.format import Packed, payload_bytes
 from daf.memory.errors import OutOfBudget, SpillError, StoreClosed
 from daf.memory.index import ImportanceIndex, by_importance, by_need
-from daf.memory.pool import PagePool, copy_bytes
+from daf.memory.pool import PagePool
 from daf.memory.spill import SpillHandle, SpillStore
 from daf.memory.store import lookup
 
@@ -249,12 +249,9 @@ class PagedStore:
     def _place(self, record: _Record, payload: torch.Tensor) -> None:
         pool = self._pool(payload.device)
         record.pages = pool.allocate(pool.pages_for(payload.numel()))
-        views = pool.views(record.pages, payload.numel())
+        views = pool.write(record.pages, payload)
         if len(views) == 1:  # the usual case: get hands out this view without looking the pages up again
             record.view = views[0]
-            copy_bytes(record.view, payload)
-        else:
-            pool.write(record.pages, payload)
         self._index_resident(record)
 
     def _index_resident(self, record: _Record) -> None:
