@@ -32,6 +32,11 @@ def rows_by_source(report: daf.Report) -> list[dict]:
     return sorted(table, key=lambda r: (-r["stored_mib"], -r["raw_mib"]))
 
 
+def _floors(text: str) -> dict[str, int]:
+    pairs = (pair.partition("=") for pair in text.split(",") if pair)
+    return {op: int(bits) for op, _, bits in pairs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="smollm-lora")
@@ -40,13 +45,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--floors", default="", metavar="OP=BITS,...", help="daf.Config.floors, as daf train takes it")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     workload = get_workload(args.workload, seed=args.seed)
     batch = args.batch or workload.default_batch
-    model = daf.wrap(workload.build_model(), daf.Config(bits=args.bits, codec=_CODECS[args.codec]()))
+    model = daf.wrap(workload.build_model(), daf.Config(bits=args.bits, codec=_CODECS[args.codec](),
+                                                               floors=_floors(args.floors)))
     model.train()
     for block in workload.batches(batch, 2):
         model.zero_grad(set_to_none=True)

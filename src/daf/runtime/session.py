@@ -26,7 +26,7 @@ from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
 from daf.runtime.route import Context, Encoding, Kind, Remake, route
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
-                         attention_output_of, is_parameter, made_in_call, masked_product_of, nodes_made_by,
+                         attention_map_of, attention_output_of, is_parameter, made_in_call, masked_product_of, nodes_made_by,
                          normalized_output_of, parameter_storages, rms_normalized_output_of, tensors_in)
 from daf.tracing.threads import PerThreadStack
 
@@ -65,6 +65,14 @@ class _Saved:
             self.store.release(self.ref)
         except Exception:  # interpreter shutdown: nothing left to free
             pass
+
+
+def _remake_from(records: list[Any], function: Any) -> Remake | None:
+    """A remake from ``records`` when each decodes to its tensor for any op (kept raw, or codes read by
+    all), its bits the coarsest of them (32 for a raw one)."""
+    if not all(isinstance(r, _Kept) or (isinstance(r, _Saved) and r.readers is None) for r in records):
+        return None
+    return Remake(tuple(records), function, min(r.bits if isinstance(r, _Saved) else 32 for r in records))
 
 
 def _check_version(tensor: torch.Tensor, version: int, site: str) -> None:
@@ -135,6 +143,8 @@ class Session:
         # a dropout product x * mask is found from the multiply's input edge. The node is kept with it, so
         # that its id cannot be reused while the entry lives.
         self._outputs: dict[tuple[int, int], tuple[Any, _Saved]] = {}
+        # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
+        self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
         # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
         # with it): the only nodes whose saves it reads (``_readable``).
         self._made_here: dict[int, Any] = {}
@@ -159,6 +169,7 @@ class Session:
         self._shared.clear()
         self._relu_masks.clear()
         self._outputs.clear()
+        self._remade.clear()
         self._made_here.clear()
         self._parameter_storages = parameter_storages(model)
         self.policy.on_forward_start(self.forwards)
@@ -170,6 +181,7 @@ class Session:
         self._shared.clear()
         self._relu_masks.clear()
         self._outputs.clear()
+        self._remade.clear()
         self._made_here.clear()
         self.accounting.end()
 
@@ -208,8 +220,11 @@ class Session:
         if encoding.kind is Kind.DERIVED and encoding.data is context.remake:
             remake = encoding.data
             self.policy.watch(context.site, tensor, remake.bits, derived=True)
-            return DerivedActivation(tensor, remake.records, remake.function, context.site, _Source(tensor),
-                                     self.unpack), 0
+            derived = DerivedActivation(tensor, remake.records, remake.function, context.site, _Source(tensor),
+                                        self.unpack)
+            if tensor.grad_fn is not None:
+                self._remade[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, derived)
+            return derived, 0
         if encoding.kind is Kind.DERIVED:
             x, mask = encoding.data
             return DerivedProduct(tensor, x, mask, context.site, _Source(tensor), self.unpack), 0
@@ -234,7 +249,7 @@ class Session:
         if op is not None:  # a tensor this very call made (an op saving its own output): its node saves through us now
             self._mark_made_here(nodes_made_by([tensor], op.argument_nodes, most=4))
         return Context(**common, input_made_here=input_made_here, product_of=self._product_of(tensor),
-                       remake=self._remake_of(tensor), shared=self._shareable(tensor, op),
+                       remake=self._remake_of(tensor, op), shared=self._shareable(tensor, op),
                        relu_mask=self._relu_masks.get(tensor))
 
     def _shareable(self, tensor: torch.Tensor, op: OpCall | None) -> "_Saved | None":
@@ -249,7 +264,7 @@ class Session:
         product = masked_product_of(tensor) if self.config.masks else None
         if product is None:
             return None
-        x = self._record_of(product.node, product.output_nr)
+        x = self._record_of(product.node, product.output_nr) or self._remade_output(product.node, product.output_nr)
         if x is None:  # no need to look for the mask
             return None
         mask = self._record_behind(product.multiply, product.mask_attribute)
@@ -259,25 +274,28 @@ class Session:
             return None
         return x, mask
 
-    def _remake_of(self, tensor: torch.Tensor) -> Remake | None:
+    def _remake_of(self, tensor: torch.Tensor, op: OpCall | None) -> Remake | None:
         """How to remake ``tensor`` from records of this forward: f(x) for SiLU, GELU, LayerNorm or RMSNorm
         when x is stored (in a record that decodes to x for any op: not derivative codes); attention's
-        output when its q, k and v are kept."""
+        output when its q, k and v are kept; attention's probabilities when the scores' operands are."""
         found = (activation_output_of(tensor) or normalized_output_of(tensor, self._readable)
                  or rms_normalized_output_of(tensor, self._readable))
         if found is not None:
             x = self._record_of(found.node, found.output_nr)
             return None if x is None else Remake((x,), found.function, x.bits)
         attention = attention_output_of(tensor)
-        if attention is None:
+        if attention is not None:
+            records = [self._record_behind(attention.node, attribute) for attribute in attention.attributes]
+            mask = self._record_behind(attention.node, attention.mask_attribute)
+            if mask is not _ABSENT:
+                records.append(mask)
+            return _remake_from(records, attention.function)
+        arguments = op.attention_arguments if op is not None else None
+        probabilities = attention_map_of(tensor, *arguments) if arguments is not None else None
+        if probabilities is None:
             return None
-        records = [self._record_behind(attention.node, attribute) for attribute in attention.attributes]
-        mask = self._record_behind(attention.node, attention.mask_attribute)
-        if mask is not _ABSENT:
-            records.append(mask)
-        if not all(isinstance(r, _Kept) or (isinstance(r, _Saved) and r.readers is None) for r in records):
-            return None
-        return Remake(tuple(records), attention.function, min(r.bits if isinstance(r, _Saved) else 32 for r in records))
+        return _remake_from([self._record_behind(probabilities.node, a) for a in probabilities.attributes],
+                            probabilities.function)
 
     def _record_of(self, node: Any, output_nr: int) -> "_Saved | None":
         """The record stored in this forward of output ``output_nr`` of autograd node ``node``, if it
@@ -286,6 +304,11 @@ class Session:
         if entry is None or entry[0] is not node or entry[1].readers is not None:
             return None
         return entry[1]
+
+    def _remade_output(self, node: Any, output_nr: int) -> DerivedActivation | None:
+        """The remade save of this forward of output ``output_nr`` of ``node`` (attention's probabilities)."""
+        entry = self._remade.get((id(node), output_nr))
+        return entry[1] if entry is not None and entry[0] is node else None
 
     def _record_behind(self, node: Any, attribute: str) -> Any:
         """What this session's pack hook returned for the tensor that ``node`` saved as ``attribute``:

@@ -126,6 +126,16 @@ class OpCall:
         return None
 
     @property
+    def attention_arguments(self) -> tuple[torch.Tensor | None, bool] | None:
+        """``(attn_mask, is_causal)`` of an attention call (what its math path adds to the scores); None
+        for other calls."""
+        if self.func not in ATTENTION_FUNCTIONS:
+            return None
+        mask = self.kwargs.get("attn_mask", self.args[3] if len(self.args) > 3 else None)
+        causal = self.kwargs.get("is_causal", self.args[5] if len(self.args) > 5 else False)
+        return mask, bool(causal)
+
+    @property
     def remakes_attention_output(self) -> bool:
         """Whether DAF remakes this attention call's output from its q, k and v in backward
         (``daf.tracing.products.attention_output_of``): the CPU kernel without dropout."""

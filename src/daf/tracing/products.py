@@ -26,6 +26,13 @@ v by running the kernel again in backward: nothing of it stored, and backward's
 ``rowsum(dO * out)`` then matches ``dO v^T`` computed from the same decoded v, where separately coded
 copies of ``out`` and ``v`` cancel badly under sharp attention.
 
+The math path of ``scaled_dot_product_attention`` (on a CPU whenever dropout is on: BERT fine-tuning)
+saves the probabilities ``softmax(q' @ k'^T + bias)``, as large as batch x heads x tokens x tokens,
+beside the two products' operands ``q'`` and ``k'^T`` (scaled by the square root of the scale). The
+probabilities are remade in backward from those two records and the call's mask, bit for bit the
+forward's when the records are kept raw: nothing of them stored (the dropped map, the probabilities
+times dropout's noise, is derived from them as before).
+
 This module only reads the autograd graph: which node multiplied, which of its inputs had history.
 """
 
@@ -40,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["nodes_made_by", "MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of", "normalized_output_of",
-           "rms_normalized_output_of", "AttentionOutput", "attention_output_of"]
+           "rms_normalized_output_of", "AttentionOutput", "attention_output_of",
+           "AttentionMap", "attention_map_of"]
 
 # Nodes whose output holds its input's elements in the same row-major order (an expand to the same
 # number of elements is the identity): the product can be remade as ``(x * mask).reshape(shape)``.
@@ -256,3 +264,79 @@ def _cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
                          *, is_causal: bool, scale: float | None) -> torch.Tensor:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+@dataclass(frozen=True)
+class AttentionMap:
+    """``tensor == function(q', k'^T)``, the softmax of the scores plus the call's bias, where ``q'`` and
+    ``k'^T`` are what the scores' matrix product ``node`` saved as ``attributes``."""
+
+    node: Any
+    attributes: tuple[str, str]
+    function: Callable[..., torch.Tensor]
+
+
+_SOFTMAX_FUNCTIONS = {"SafeSoftmaxBackward0": torch.ops.aten._safe_softmax, "SoftmaxBackward0": torch.softmax}
+_PRODUCTS = frozenset({"BmmBackward0", "MmBackward0"})
+
+
+def attention_map_of(tensor: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> AttentionMap | None:
+    """Whether ``tensor`` is the probabilities of attention's math path, called with ``attn_mask`` and
+    ``is_causal``: softmax over the last dimension of a matrix product's output viewed as ``tensor``,
+    plus the bias made from the mask (the mask without history: it is held, not remade), and the
+    function that remakes it from the product's two operands."""
+    node = tensor.grad_fn
+    softmax = _SOFTMAX_FUNCTIONS.get(type(node).__name__) if node is not None else None
+    if softmax is None or tensor.output_nr != 0 or not tensor.is_contiguous():
+        return None
+    try:
+        if node._saved_dim not in (-1, tensor.dim() - 1, 2**64 - 1):  # -1 reads back unsigned
+            return None
+    except RuntimeError:
+        return None
+    scores, _ = node.next_functions[0]
+    biased = attn_mask is not None or is_causal
+    if biased != (type(scores).__name__ == "AddBackward0"):
+        return None
+    if biased:
+        (scores, _), (bias_node, _) = scores.next_functions
+        if bias_node is not None:  # a bias with history (a learned position bias): not held here
+            return None
+    while type(scores).__name__ in _ORDER_KEEPING:
+        scores, _ = scores.next_functions[0]
+    if type(scores).__name__ not in _PRODUCTS:
+        return None
+    version = None if attn_mask is None else attn_mask._version
+    function = functools.partial(_attention_map, softmax=softmax, mask=attn_mask, version=version,
+                                 is_causal=is_causal, shape=tuple(tensor.shape))
+    return AttentionMap(scores, ("_saved_self", "_saved_mat2"), function)
+
+
+def _bias(attn_mask: torch.Tensor | None, is_causal: bool, scores: torch.Tensor) -> torch.Tensor | None:
+    """What the math path adds to the scores: a float mask as given; a boolean one, or the causal
+    triangle, as 0 where attended and -inf elsewhere, in the scores' dtype. Made in backward, so that
+    forward holds only the caller's mask."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        return attn_mask
+    if attn_mask is None:
+        if not is_causal:
+            return None
+        rows, columns = scores.shape[-2:]
+        attn_mask = torch.ones(rows, columns, dtype=torch.bool, device=scores.device).tril()
+    return torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(scores.dtype)
+
+
+def _attention_map(q: torch.Tensor, k_t: torch.Tensor, *, softmax: Callable[..., torch.Tensor],
+                   mask: torch.Tensor | None, version: int | None, is_causal: bool,
+                   shape: tuple[int, ...]) -> torch.Tensor:
+    """The probabilities from the decoded operands, in the order the math path computed them."""
+    if mask is not None and mask._version != version:
+        raise RuntimeError(
+            f"DAF: the attention mask [{mask.type()} {list(mask.shape)}] was modified in place after forward "
+            f"(version {mask._version}, {version} then). DAF remakes attention's probabilities from it in "
+            f"backward, which would now differ from forward's: change the mask out of place.")
+    scores = (torch.bmm(q, k_t) if q.dim() == 3 else torch.mm(q, k_t)).view(shape)
+    bias = _bias(mask, is_causal, scores)
+    if bias is not None:
+        scores = scores + bias
+    return softmax(scores, -1)

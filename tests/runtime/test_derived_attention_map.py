@@ -1,0 +1,150 @@
+"""Attention's probabilities on the math path (scaled_dot_product_attention with dropout on a CPU) are
+remade in backward from the scores' two operands and the call's mask, not stored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import daf
+from daf.tracing import attention_map_of
+
+
+def _node(root: torch.Tensor, name: str) -> object:
+    """The first autograd node called ``name`` behind ``root``."""
+    seen, todo = set(), [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == name:
+            return node
+        todo.extend(edge[0] for edge in node.next_functions)
+    raise AssertionError(f"no {name} behind the output")
+
+
+def _qkv(dtype: torch.dtype = torch.float32, tokens: int = 24, keys: int = 24) -> list[torch.Tensor]:
+    shapes = ((2, 3, tokens, 8), (2, 3, keys, 8), (2, 3, keys, 8))
+    return [torch.randn(shape, dtype=dtype, requires_grad=True) for shape in shapes]
+
+
+def _mask(kind: str | None, tokens: int, keys: int, dtype: torch.dtype) -> torch.Tensor | None:
+    if kind == "float":  # BERT's: a large negative number on padding, broadcast over heads and queries
+        mask = torch.zeros(2, 1, 1, keys, dtype=dtype)
+        mask[0, ..., -3:] = torch.finfo(dtype).min
+        return mask.expand(2, 1, tokens, keys)
+    if kind == "bool":
+        return torch.rand(2, 1, tokens, keys) > 0.3
+    return None
+
+
+def _probabilities(out: torch.Tensor) -> tuple[object, torch.Tensor]:
+    node = _node(out, "SafeSoftmaxBackward0")
+    return node, node._saved_result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind,causal", [(None, False), ("float", False), ("bool", False), (None, True)])
+def test_remade_from_the_forward_operands_bit_for_bit(mask_kind, causal, dtype) -> None:
+    torch.manual_seed(0)
+    q, k, v = _qkv(dtype, 24, 24 if causal else 20)
+    mask = _mask(mask_kind, 24, k.shape[2], dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.3, is_causal=causal)
+    node, saved = _probabilities(out)
+    found = attention_map_of(saved, mask, causal)
+    assert found is not None
+    operands = [getattr(found.node, name) for name in found.attributes]
+    assert torch.equal(found.function(*operands), saved)
+
+
+def test_what_is_not_the_math_paths_probabilities() -> None:
+    torch.manual_seed(0)
+    q, k, v = _qkv()
+    mask = _mask("float", 24, 24, torch.float32)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.3)
+    _, saved = _probabilities(out)
+    assert attention_map_of(saved, None, False) is None  # the call's mask must match what the graph added
+    assert attention_map_of(q.softmax(-1), None, False) is None  # not a product's scores
+    assert attention_map_of((q @ k.transpose(-1, -2)).softmax(-2), None, False) is None  # not the last dimension
+    bias = torch.randn(1, 3, 24, 24, requires_grad=True)  # a learned position bias (T5): has history
+    assert attention_map_of((q @ k.transpose(-1, -2) + bias).softmax(-1), bias.detach(), False) is None
+    assert attention_map_of(F.scaled_dot_product_attention(q, k, v), None, False) is None  # the fused output
+
+
+def _attention(config: daf.Config, mask: torch.Tensor | None = None, causal: bool = False,
+               frozen_key: bool = False) -> tuple[torch.Tensor, daf.Report, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    q, k, v = _qkv()
+    key = k.detach() if frozen_key else k
+    with daf.compress(config=config) as block:
+        out = F.scaled_dot_product_attention(q * 1.0, key * 1.0, v * 1.0, attn_mask=mask, dropout_p=0.3,
+                                             is_causal=causal)
+    return out, block.report(), [q, k, v]
+
+
+def test_stored_nothing_and_the_dropped_map_derived_from_it() -> None:
+    out, report, _ = _attention(daf.Config(bits=4, min_numel=1), _mask("float", 24, 24, torch.float32))
+    by_source = {(row.source, row.kind) for row in report.rows}
+    assert ("SafeSoftmaxBackward0", "derived") in by_source
+    assert not any(row.source == "SafeSoftmaxBackward0" and row.kind != "derived" for row in report.rows)
+    dropped = [row for row in report.rows if row.kind == "derived" and row.source != "SafeSoftmaxBackward0"]
+    assert len(dropped) == 1 and dropped[0].shape == (6, 24, 24) and dropped[0].stored_bytes == 0
+    assert sum(row.stored_bytes for row in report.rows if row.shape == (2, 3, 24, 24) and row.kind != "mask") == 0
+
+
+@pytest.mark.parametrize("mask_kind,causal", [(None, False), ("float", False), ("bool", False), (None, True)])
+def test_backward_gets_the_softmax_of_the_decoded_operands(mask_kind, causal) -> None:
+    torch.manual_seed(1)
+    mask = _mask(mask_kind, 24, 24, torch.float32)
+    out, _, _ = _attention(daf.Config(bits=4, min_numel=1), mask, causal)
+    node, remade = _probabilities(out)
+    product = node.next_functions[0][0]  # the scores, behind the bias's add and the product's view
+    while type(product).__name__ != "BmmBackward0":
+        product = product.next_functions[0][0]
+    scores = (product._saved_self @ product._saved_mat2).view(remade.shape)  # decoded through DAF's unpack
+    if causal:
+        scores = scores.masked_fill(~torch.ones(24, 24, dtype=torch.bool).tril(), float("-inf"))
+    elif mask_kind == "bool":
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    assert torch.allclose(remade, torch.ops.aten._safe_softmax(scores, -1), rtol=0, atol=1e-6)
+
+
+def test_gradients_at_eight_bits_match_plain_autograd() -> None:
+    mask = _mask("float", 24, 24, torch.float32)
+    out, report, leaves = _attention(daf.Config(bits=8, min_numel=1), mask)  # seeds 0: the same dropout below
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    out.backward(grad)
+    got = [t.grad for t in leaves]
+    assert any(row.kind == "derived" and row.source == "SafeSoftmaxBackward0" for row in report.rows)
+    torch.manual_seed(0)
+    q, k, v = _qkv()
+    F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, attn_mask=mask, dropout_p=0.3).backward(grad)
+    for mine, plain in zip(got, (q.grad, k.grad, v.grad)):
+        assert F.cosine_similarity(mine.flatten(), plain.flatten(), dim=0) > 0.999
+
+
+def test_a_mask_changed_in_place_after_forward_raises() -> None:
+    mask = _mask("float", 24, 24, torch.float32).clone()
+    out, _, _ = _attention(daf.Config(bits=4, min_numel=1), mask)
+    mask.add_(1.0)
+    with pytest.raises(RuntimeError, match="attention mask .* modified in place"):
+        out.sum().backward()
+
+
+def test_coded_where_the_query_operand_is_not_saved() -> None:
+    # a key without history (a frozen projection without adapters, BERT's layer 0): the product saves
+    # no query operand, so there is nothing to remake the probabilities from
+    _, report, _ = _attention(daf.Config(bits=4, min_numel=1), frozen_key=True)
+    kinds = {row.kind for row in report.rows if row.source == "SafeSoftmaxBackward0"}
+    assert kinds == {"compressed"}
+
+
+def test_coded_where_the_operands_are_coarser_than_the_probabilities_keep() -> None:
+    # probabilities keep 4 bits (the exponent guard); 2-bit operands would remake them coarser
+    _, report, _ = _attention(daf.Config(bits=2, min_numel=1))
+    rows = [row for row in report.rows if row.source == "SafeSoftmaxBackward0"]
+    assert [(row.kind, row.bits) for row in rows] == [("compressed", 4)]
