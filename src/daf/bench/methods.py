@@ -13,16 +13,21 @@ from daf.config import Adaptive, Config, Outliers
 __all__ = ["Method", "methods_for", "workload_config", "checkpoint_blocks", "WORKLOAD_BITS", "CONVOLUTIONAL"]
 
 # The bits that keep each workload's result (docs/results.md): SmolLM2 needs 4 with the Outliers codec
-# (8 with MinMax codes), and no adaptive plan keeps its loss (+1.73% at an average of 4.0).
+# (8 with MinMax codes), and no adaptive plan keeps its loss (+1.73% at an average of 4.0); MiniLM
+# keeps its accuracy at 2 bits with Outliers, GELU derivative codes and 4-bit floors under its norms,
+# attention and linears (2-bit MinMax codes lose 4.5 points).
 WORKLOAD_BITS = {"resnet18-fmnist": 2, "minilm-tweets": 2, "smollm-lora": 4, "tiny-mnist": 2}
-_OUTLIERS = frozenset({"smollm-lora"})
+_CODECS = {"smollm-lora": Outliers(), "minilm-tweets": Outliers(derivatives=True)}
+_FLOORS = {"minilm-tweets": {"layer_norm": 4, "scaled_dot_product_attention": 4, "linear": 4}}
 _NO_ADAPTIVE = frozenset({"smollm-lora"})
 
 
 def workload_config(workload: str) -> Config:
-    """DAF's uniform config for ``workload`` at the bits (and codec) that keep its result."""
-    bits = WORKLOAD_BITS.get(workload, 2)
-    return Config(bits=bits, codec=Outliers()) if workload in _OUTLIERS else Config(bits=bits)
+    """DAF's uniform config for ``workload`` at the bits, codec and floors that keep its result."""
+    config = Config(bits=WORKLOAD_BITS.get(workload, 2))
+    if workload in _CODECS:
+        config = config.replace(codec=_CODECS[workload])
+    return config.replace(floors=_FLOORS[workload]) if workload in _FLOORS else config
 
 
 # Workloads of 4-D feature maps, where the channels-last restore (Config.channels_last) applies.

@@ -90,7 +90,8 @@ class DerivedProduct:
 class DerivedActivation:
     """``function(*records)`` saved at ``site``, where the records are this session's (SiLU's or GELU's
     input, which the activation saved first; a LayerNorm's or RMSNorm's input, ``function`` holding the
-    saved statistics and weight; fused attention's q, k and v). Nothing is stored; backward gets
+    saved statistics and weight; fused attention's q, k and v; the two operands of attention's scores,
+    ``function`` holding the call's mask). Nothing is stored; backward gets
     ``function`` of the decoded records, whose error is theirs through the function (|f'| <= 1.13 for
     the activations), in place of a second set of codes of its own. The records stay alive with it."""
 

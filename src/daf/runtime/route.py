@@ -18,9 +18,10 @@ In order (the first that holds decides):
    tensor and a stored exact mask (dropout's output, ``daf.tracing.products``): derived from the two
    records, nothing stored and no error added; SiLU's or GELU's output whose input is stored (a
    gated MLP's ``silu(gate)``), or LayerNorm's or RMSNorm's (a layer's output, read by the next
-   layer's LoRA adapters), or fused attention's on a CPU whose q, k and v are kept: derived,
-   recomputed from the input records (and the norm's saved statistics), unless the policy gives it
-   more bits than the coarsest of those records has;
+   layer's LoRA adapters), or fused attention's on a CPU whose q, k and v are kept, or the
+   probabilities of attention's math path whose scores' operands are kept: derived, recomputed from
+   the input records (and the norm's saved statistics, the attention call's mask), unless the policy
+   gives it more bits than the coarsest of those records has;
 5. two values only (dropout masks): an exact mask;
 6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
    its nonzeros (``nonzeros``);
@@ -98,7 +99,8 @@ class Context:
     submodule (a frozen layer's output) and is saved by a linear, matmul or convolution, whose backward
     only multiplies by it; ``product_of``: the records (x, mask) when the tensor is x times an exact mask,
     both stored in this forward; ``remake``: how to remake the tensor from records of this forward
-    (f(x) for SiLU, GELU, a LayerNorm or an RMSNorm; attention's output from q, k and v); ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
+    (f(x) for SiLU, GELU, a LayerNorm or an RMSNorm; attention's output from q, k and v, its
+    probabilities from the scores' operands); ``bits_for(site, x, op)``: the policy. The session reuses the records it looked up here."""
 
     site: str
     op: OpCall | None
