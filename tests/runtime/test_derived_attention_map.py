@@ -148,3 +148,27 @@ def test_coded_where_the_operands_are_coarser_than_the_probabilities_keep() -> N
     _, report, _ = _attention(daf.Config(bits=2, min_numel=1))
     rows = [row for row in report.rows if row.source == "SafeSoftmaxBackward0"]
     assert [(row.kind, row.bits) for row in rows] == [("compressed", 4)]
+
+
+def test_background_packing_remakes_alike() -> None:
+    mask = _mask("float", 24, 24, torch.float32)
+    out, report, leaves = _attention(daf.Config(bits=8, min_numel=1, background=True), mask)
+    out.sum().backward()
+    assert any(row.kind == "derived" and row.source == "SafeSoftmaxBackward0" for row in report.rows)
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+def test_a_bert_with_dropout_remakes_every_layer_whose_key_has_history() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, attn_implementation="sdpa")
+    model = daf.wrap(transformers.BertForSequenceClassification(config), daf.Config(bits=4, min_numel=64))
+    model.train()  # attention dropout on: the math path
+    ids = torch.randint(1, 100, (4, 16))
+    attention = torch.ones(4, 16, dtype=torch.long)
+    attention[0, 12:] = 0  # padding: a mask the remake must add
+    model(input_ids=ids, attention_mask=attention, labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+    rows = [row for row in daf.report(model).rows if row.source == "SafeSoftmaxBackward0"]
+    assert [row.kind for row in rows] == ["derived", "derived"] and all(row.stored_bytes == 0 for row in rows)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
