@@ -65,6 +65,13 @@ class Accounting:
                                   _ROW_KIND[encoding.kind]))
         return len(self._rows) - 1
 
+    def add_unsaved(self, site: str, tensor: torch.Tensor, bits: int, stored: int) -> None:
+        """Count a record DAF keeps of a tensor autograd does not save (a frozen head's input, which the
+        log-probabilities are remade from): its stored bytes, no raw bytes."""
+        source = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "no history"
+        self._rows.append(SiteRow(site, source, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                                  bits, 0, stored, "compressed"))
+
     def fill(self, row: int, site: str, stored: int) -> None:
         """The stored bytes of a row packed in the background, once known."""
         if 0 <= row < len(self._rows) and self._rows[row].site == site:

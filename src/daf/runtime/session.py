@@ -6,6 +6,7 @@ lives at module level. ``pack`` and ``unpack`` are the saved-tensor hooks.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -13,21 +14,23 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from daf.codec import Codecs, Spec
 from daf.config import Config
 from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
-from daf.policy.exponent_guard import guarded_bits
+from daf.policy.exponent_guard import HEAD_INPUT_BITS, guarded_bits
 from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
-from daf.runtime.route import Context, Encoding, Kind, Remake, route
+from daf.runtime.route import Context, Encoding, Kind, Remake, compressible, route
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
-                         attention_map_of, attention_output_of, is_parameter, made_in_call, masked_product_of, nodes_made_by,
-                         normalized_output_of, parameter_storages, rms_normalized_output_of, tensors_in)
+                         attention_map_of, attention_output_of, head_log_probabilities, is_parameter, made_in_call,
+                         masked_product_of, nodes_behind, nodes_made_by, normalized_output_of, parameter_storages,
+                         rms_normalized_output_of, tensors_in)
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -65,6 +68,26 @@ class _Saved:
             self.store.release(self.ref)
         except Exception:  # interpreter shutdown: nothing left to free
             pass
+
+
+class _HeadInput:
+    """A head's input to be coded as a record when routing derives the log-probabilities from it."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _NoCheck:
+    """The source of a record nothing saved (a head's input): its values are what the derived save was
+    made from, whatever happens to the tensor later, so there is no version to check."""
+
+    def check(self, site: str) -> None:
+        pass
+
+
+_NO_CHECK = _NoCheck()
 
 
 def _remake_from(records: list[Any], function: Any) -> Remake | None:
@@ -145,6 +168,9 @@ class Session:
         self._outputs: dict[tuple[int, int], tuple[Any, _Saved]] = {}
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
+        # Linear calls of this forward by their output's node: (node, weakref to the input, weight, bias), so
+        # that log-probabilities made from a head's output can be remade from its input (``_head_remake``)
+        self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
         # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
         # with it): the only nodes whose saves it reads (``_readable``).
         self._made_here: dict[int, Any] = {}
@@ -170,6 +196,7 @@ class Session:
         self._relu_masks.clear()
         self._outputs.clear()
         self._remade.clear()
+        self._linears.clear()
         self._made_here.clear()
         self._parameter_storages = parameter_storages(model)
         self.policy.on_forward_start(self.forwards)
@@ -182,6 +209,7 @@ class Session:
         self._relu_masks.clear()
         self._outputs.clear()
         self._remade.clear()
+        self._linears.clear()
         self._made_here.clear()
         self.accounting.end()
 
@@ -220,10 +248,13 @@ class Session:
         if encoding.kind is Kind.DERIVED and encoding.data is context.remake:
             remake = encoding.data
             self.policy.watch(context.site, tensor, remake.bits, derived=True)
-            derived = DerivedActivation(tensor, remake.records, remake.function, context.site, _Source(tensor),
-                                        self.unpack)
+            records = tuple(self._encode_head_input(r, context.site) if isinstance(r, _HeadInput) else r
+                            for r in remake.records)
+            derived = DerivedActivation(tensor, records, remake.function, context.site, _Source(tensor), self.unpack)
             if tensor.grad_fn is not None:
                 self._remade[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, derived)
+            if records != remake.records:  # saved again (cross_entropy's nll_loss): shared, not remade twice
+                self._shared.put(tensor, derived)
             return derived, 0
         if encoding.kind is Kind.DERIVED:
             x, mask = encoding.data
@@ -293,7 +324,7 @@ class Session:
         arguments = op.attention_arguments if op is not None else None
         probabilities = attention_map_of(tensor, *arguments) if arguments is not None else None
         if probabilities is None:
-            return None
+            return self._head_remake(tensor)
         return _remake_from([self._record_behind(probabilities.node, a) for a in probabilities.attributes],
                             probabilities.function)
 
@@ -304,6 +335,36 @@ class Session:
         if entry is None or entry[0] is not node or entry[1].readers is not None:
             return None
         return entry[1]
+
+    def _head_remake(self, tensor: torch.Tensor) -> Remake | None:
+        """Log-probabilities of a linear's output (an LM's head) whose input is alive: remade from an
+        8-bit record of that input, made only if routing derives them (``_HeadInput``)."""
+        for node, output_nr in nodes_behind(tensor):
+            entry = self._linears.get((id(node), output_nr))
+            if entry is not None and entry[0] is node:
+                break
+        else:
+            return None
+        _, input_ref, weight, bias = entry
+        y = input_ref()
+        if y is None or not compressible(y, self.config.min_numel):
+            return None
+        versions = (weight._version, None if bias is None else bias._version)
+        function = functools.partial(head_log_probabilities, weight=weight, bias=bias, versions=versions,
+                                     shape=tuple(tensor.shape), dtype=tensor.dtype)
+        return Remake((_HeadInput(y),), function, HEAD_INPUT_BITS)
+
+    def _encode_head_input(self, head_input: "_HeadInput", site: str) -> "_Saved":
+        """Code the head's input at ``HEAD_INPUT_BITS`` as a record of its own; its row counts the bytes
+        and no raw bytes (autograd would not keep it: the head is frozen)."""
+        y, spec = head_input.tensor, Spec(HEAD_INPUT_BITS, self._next_seed(), "linear")
+        packed = self.codecs.encode("codes", y, spec)
+        input_site = f"{site}.head_input"
+        saved = _Saved(self.store, self.store.put(packed, self.policy.importance(site, self._packs), input_site),
+                       input_site, _NO_CHECK)
+        saved.numel, saved.bits = y.numel(), HEAD_INPUT_BITS
+        self.accounting.add_unsaved(input_site, y, HEAD_INPUT_BITS, packed.nbytes)
+        return saved
 
     def _remade_output(self, node: Any, output_nr: int) -> DerivedActivation | None:
         """The remade save of this forward of output ``output_nr`` of ``node`` (attention's probabilities)."""
@@ -420,9 +481,19 @@ class Session:
 
     def _op_done(self, call: OpCall) -> None:
         self._mark_made_here(nodes_made_by(tensors_in((call.output,)), call.argument_nodes))
+        if call.func is F.linear and isinstance(call.output, torch.Tensor) and call.output.grad_fn is not None:
+            self._note_linear(call)
         if call.saves:
             self.policy.watch_op(call)
             call.saves.clear()
+
+    def _note_linear(self, call: OpCall) -> None:
+        arguments = [*call.args, None, None][:3]
+        y = call.kwargs.get("input", arguments[0])
+        weight, bias = call.kwargs.get("weight", arguments[1]), call.kwargs.get("bias", arguments[2])
+        if isinstance(y, torch.Tensor) and isinstance(weight, torch.Tensor):
+            node = call.output.grad_fn
+            self._linears[(id(node), call.output.output_nr)] = (node, weakref.ref(y), weight, bias)
 
     def _mark_made_here(self, nodes: list[Any]) -> None:
         for node in nodes:
