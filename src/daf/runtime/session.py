@@ -356,7 +356,8 @@ class Session:
 
     def _encode_head_input(self, head_input: "_HeadInput", site: str) -> "_Saved":
         """Code the head's input at ``HEAD_INPUT_BITS`` as a record of its own; its row counts the bytes
-        and no raw bytes (autograd would not keep it: the head is frozen)."""
+        and no raw bytes (for a frozen head autograd would not keep it; a trained head's linear saves it
+        apart, and that row counts them)."""
         y, spec = head_input.tensor, Spec(HEAD_INPUT_BITS, self._next_seed(), "linear")
         packed = self.codecs.encode("codes", y, spec)
         input_site = f"{site}.head_input"
