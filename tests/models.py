@@ -68,3 +68,17 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def narrow_outliers(**fields) -> Outliers:
     """``Outliers`` that splits from 16 channels (its default: 128), the widths these tests' models have."""
     return Outliers(**{"min_channels": 16, **fields})
+
+
+def node_named(root: torch.Tensor, name: str) -> object:
+    """The first autograd node called ``name`` behind ``root`` (depth first)."""
+    seen, todo = set(), [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == name:
+            return node
+        todo.extend(edge[0] for edge in node.next_functions)
+    raise AssertionError(f"no {name} behind the output")

@@ -9,20 +9,7 @@ import torch.nn.functional as F
 
 import daf
 from daf.tracing import attention_map_of
-
-
-def _node(root: torch.Tensor, name: str) -> object:
-    """The first autograd node called ``name`` behind ``root``."""
-    seen, todo = set(), [root.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if type(node).__name__ == name:
-            return node
-        todo.extend(edge[0] for edge in node.next_functions)
-    raise AssertionError(f"no {name} behind the output")
+from tests.models import node_named
 
 
 def _qkv(dtype: torch.dtype = torch.float32, tokens: int = 24, keys: int = 24) -> list[torch.Tensor]:
@@ -41,7 +28,7 @@ def _mask(kind: str | None, tokens: int, keys: int, dtype: torch.dtype) -> torch
 
 
 def _probabilities(out: torch.Tensor) -> tuple[object, torch.Tensor]:
-    node = _node(out, "SafeSoftmaxBackward0")
+    node = node_named(out, "SafeSoftmaxBackward0")
     return node, node._saved_result
 
 

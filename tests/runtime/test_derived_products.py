@@ -9,6 +9,7 @@ from torch import nn
 
 import daf
 from daf.tracing import masked_product_of
+from tests.models import node_named
 
 
 class DroppedAttention(nn.Module):
@@ -25,20 +26,6 @@ class DroppedAttention(nn.Module):
 
 def _rows(model: nn.Module, kind: str) -> list[daf.report.SiteRow]:
     return [row for row in daf.report(model).rows if row.kind == kind]
-
-
-def _node(root: torch.Tensor, name: str) -> object:
-    """The first autograd node called ``name`` behind ``root``."""
-    seen, todo = set(), [root.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if type(node).__name__ == name:
-            return node
-        todo.extend(edge[0] for edge in node.next_functions)
-    raise AssertionError(f"no {name} behind the output")
 
 
 def test_the_dropped_map_is_derived_and_costs_no_bytes() -> None:
@@ -61,9 +48,9 @@ def test_the_derived_map_is_the_decoded_probabilities_times_the_mask_exactly() -
     y = model(x)
     torch.manual_seed(1)
     true_dropped = F.dropout((plain.q(x) @ x.T).softmax(-1), plain.p, True)
-    dropped = _node(y, "MmBackward0")._saved_self  # the save of `dropped @ v`: goes through DAF's unpack
-    probabilities = _node(y, "SoftmaxBackward0")._saved_result
-    noise = _node(y, "MulBackward0")._saved_other
+    dropped = node_named(y, "MmBackward0")._saved_self  # the save of `dropped @ v`: goes through DAF's unpack
+    probabilities = node_named(y, "SoftmaxBackward0")._saved_result
+    noise = node_named(y, "MulBackward0")._saved_other
     assert torch.equal(dropped, probabilities * noise)
     assert torch.equal(dropped == 0, true_dropped == 0)  # the mask is exact: zeros where dropout dropped
     assert (dropped - true_dropped).abs().max() < 0.5 * true_dropped.abs().max()  # and 2-bit codes elsewhere
