@@ -159,3 +159,16 @@ def test_a_bert_with_dropout_remakes_every_layer_whose_key_has_history() -> None
     rows = [row for row in daf.report(model).rows if row.source == "SafeSoftmaxBackward0"]
     assert [row.kind for row in rows] == ["derived", "derived"] and all(row.stored_bytes == 0 for row in rows)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_remade_once_for_the_dropped_map_and_the_softmax() -> None:
+    import daf.tracing.products as products
+
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        original = products._attention_map
+        patch.setattr(products, "_attention_map", lambda *a, **k: calls.append(1) or original(*a, **k))
+        out, report, _ = _attention(daf.Config(bits=4, min_numel=1), _mask("float", 24, 24, torch.float32))
+        out.sum().backward()
+    assert any(row.kind == "derived" and row.source == "SafeSoftmaxBackward0" for row in report.rows)
+    assert len(calls) == 1  # p @ v's dropped map and the softmax read the same remade probabilities

@@ -104,3 +104,17 @@ def test_a_head_changed_in_place_before_backward_raises() -> None:
         model.head.weight.mul_(2)
     with pytest.raises(RuntimeError, match="modified in place since forward"):
         loss.backward()
+
+
+def test_remade_once_for_log_softmax_and_nll_loss() -> None:
+    import daf.runtime.session as session_module
+
+    calls = []
+    torch.manual_seed(0)
+    model = daf.wrap(TinyLM(), daf.Config(bits=4, min_numel=64))
+    with pytest.MonkeyPatch.context() as patch:
+        original = session_module.head_log_probabilities
+        patch.setattr(session_module, "head_log_probabilities", lambda *a, **k: calls.append(1) or original(*a, **k))
+        model(_ids()).backward()
+    assert [row.kind for row in _rows(model) if row.source == "LogSoftmaxBackward0"] == ["derived", "shared"]
+    assert len(calls) == 1

@@ -95,7 +95,7 @@ class DerivedActivation:
     ``function`` of the decoded records, whose error is theirs through the function (|f'| <= 1.13 for
     the activations), in place of a second set of codes of its own. The records stay alive with it."""
 
-    __slots__ = ("records", "function", "dtype", "site", "source", "unpack_record", "readers")
+    __slots__ = ("records", "function", "dtype", "site", "source", "unpack_record", "readers", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, records: tuple[Any, ...], function: Callable[..., torch.Tensor],
                  site: str, source: _VersionCheck, unpack_record: Callable[[Any], torch.Tensor]) -> None:

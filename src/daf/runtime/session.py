@@ -183,6 +183,10 @@ class Session:
         # output is also the next conv's input) is usually unpacked twice in a row, and this
         # decodes it once. Holds at most one decoded tensor, dropped with its record.
         self._recent: tuple[weakref.ref, torch.Tensor] | None = None
+        # The same for the last remade save, apart: attention's probabilities are unpacked for p @ v
+        # (through the dropped map) and again for the softmax, with v and the mask decoded between;
+        # an LM's log-probabilities for nll_loss and log_softmax. Remade once each.
+        self._recent_remade: tuple[weakref.ref, torch.Tensor] | None = None
         # Which torch function is running, per thread (torch's function modes are per thread too).
         self._local = PerThreadStack()
         self._closed = False
@@ -439,7 +443,9 @@ class Session:
         if captured is not None and captured[0] == threading.get_ident():  # _record_behind: which record, no decode
             captured[1].append(saved)
             return torch.empty(0)
-        if isinstance(saved, (_Kept, Derived, DerivedProduct, DerivedActivation)):
+        if isinstance(saved, DerivedActivation):
+            return self._remade_tensor(saved)
+        if isinstance(saved, (_Kept, Derived, DerivedProduct)):
             return saved.unpack()
         saved.source.check(saved.site)
         recent = self._recent
@@ -455,9 +461,20 @@ class Session:
         self._recent = (weakref.ref(saved, self._forget_recent), tensor)
         return tensor
 
+    def _remade_tensor(self, saved: DerivedActivation) -> torch.Tensor:
+        recent = self._recent_remade
+        if recent is not None and recent[0]() is saved:
+            saved.source.check(saved.site)
+            return recent[1]
+        tensor = saved.unpack()
+        self._recent_remade = (weakref.ref(saved, self._forget_recent), tensor)
+        return tensor
+
     def _forget_recent(self, dead: weakref.ref) -> None:
         if self._recent is not None and self._recent[0] is dead:
             self._recent = None
+        if self._recent_remade is not None and self._recent_remade[0] is dead:
+            self._recent_remade = None
 
     def _collect_pending(self) -> None:
         """Wait for the background packs of this forward and put them into the store, in pack order."""
@@ -532,7 +549,7 @@ class Session:
             if self.packer is not None:
                 self.packer.close()
             self.policy.close()
-            self._recent = None
+            self._recent = self._recent_remade = None
             self._shared.clear()
             self.store.close()
 
