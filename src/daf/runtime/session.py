@@ -168,9 +168,10 @@ class Session:
         self._outputs: dict[tuple[int, int], tuple[Any, _Saved]] = {}
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
-        # Linear calls of this forward by their output's node: (node, weakref to the input, weight, bias), so
+        # Linear calls of this forward by their output's node: (node, weakref to the input, its version, weight,
+        # bias), so
         # that log-probabilities made from a head's output can be remade from its input (``_head_remake``)
-        self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
+        self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, int, torch.Tensor, torch.Tensor | None]] = {}
         # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
         # with it): the only nodes whose saves it reads (``_readable``).
         self._made_here: dict[int, Any] = {}
@@ -349,10 +350,10 @@ class Session:
                 break
         else:
             return None
-        _, input_ref, weight, bias = entry
+        _, input_ref, version, weight, bias = entry
         y = input_ref()
-        if y is None or not compressible(y, self.config.min_numel):
-            return None
+        if y is None or y._version != version or not compressible(y, self.config.min_numel):
+            return None  # gone, or changed in place since the head read it
         versions = (weight._version, None if bias is None else bias._version)
         function = functools.partial(head_log_probabilities, weight=weight, bias=bias, versions=versions,
                                      shape=tuple(tensor.shape), dtype=tensor.dtype)
@@ -511,7 +512,7 @@ class Session:
         weight, bias = call.kwargs.get("weight", arguments[1]), call.kwargs.get("bias", arguments[2])
         if isinstance(y, torch.Tensor) and isinstance(weight, torch.Tensor):
             node = call.output.grad_fn
-            self._linears[(id(node), call.output.output_nr)] = (node, weakref.ref(y), weight, bias)
+            self._linears[(id(node), call.output.output_nr)] = (node, weakref.ref(y), y._version, weight, bias)
 
     def _mark_made_here(self, nodes: list[Any]) -> None:
         for node in nodes:

@@ -73,10 +73,10 @@ def head_log_probabilities(y: torch.Tensor, *, weight: torch.Tensor, bias: torch
     """``log_softmax(linear(y, weight, bias))`` as ``shape`` and ``dtype``: the log-probabilities from the
     head's decoded input. Raises where the head's weight or bias changed in place since forward (an
     optimizer step before backward), as plain autograd does for the weight it saves."""
-    for tensor, version in zip((weight, bias), versions):
+    for name, tensor, version in zip(("weight", "bias"), (weight, bias), versions):
         if tensor is not None and tensor._version != version:
             raise RuntimeError(
-                f"DAF: the weight [{tensor.type()} {list(tensor.shape)}] of the linear whose log-probabilities DAF "
+                f"DAF: the {name} [{tensor.type()} {list(tensor.shape)}] of the linear whose log-probabilities DAF "
                 f"remakes in backward was modified in place since forward (version {tensor._version}, {version} "
                 f"then); plain PyTorch raises here too. Change parameters after backward.")
     logits = F.linear(y, weight, bias).to(dtype).reshape(shape)
