@@ -17,9 +17,14 @@ class SiteRow:
     saved output, dropout masks and other two-valued tensors; ``bits`` is 1), "raw" (kept
     as it is: too small, not floating point, or the policy chose so), "shared" (the
     same tensor saved again by another op; stored once, so its bytes count zero here) or "derived"
-    (nothing stored: autocast's cast of a parameter, recast from the parameter in backward; or dropout's
-    output, remade from the stored input and its exact mask; its raw bytes are the copy that autograd
-    would have kept).
+    (nothing stored: autocast's cast of a parameter, recast from the parameter in backward; dropout's
+    output, remade from the stored input and its exact mask; an activation's, a norm's or attention's
+    output or probabilities, an LM's log-probabilities, remade from other records; its raw bytes are
+    the copy that autograd would have kept).
+
+    One row is not a save: ``<site>.head_input``, the record of a frozen head's input that the
+    log-probabilities saved at ``<site>`` are remade from, "compressed" with its stored bytes and no raw
+    bytes (autograd would not have kept it).
     """
 
     site: str
