@@ -10,7 +10,6 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
+from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, remake_from
 from daf.runtime.route import Context, Encoding, Kind, Remake, compressible, route
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
                          attention_map_of, attention_output_of, head_log_probabilities, is_parameter, made_in_call,
@@ -37,114 +37,6 @@ __all__ = ["Session"]
 
 _MASK32 = 0xFFFFFFFF
 _ABSENT = object()  # _record_behind: the node saved None (an optional tensor it was not given)
-
-
-class _Saved:
-    """What autograd holds instead of a tensor: a reference into the store.
-
-    The same object is returned for every op that saves the same tensor, so the
-    record is released exactly once, when autograd drops the last of them. Under
-    background packing ``ref`` is None and ``pending`` holds the future and the importance
-    until the session puts the result into the store (and its bytes into report row ``row``). A record of
-    the nonzeros of a ReLU output holds ``mask``: the ``_Saved`` of ReLU's own 1-bit mask,
-    kept alive with it, which says where they go and the output's shape, order and dtype.
-    """
-
-    __slots__ = ("store", "ref", "site", "pending", "mask", "source", "row", "exact", "numel", "channels_last",
-                 "readers", "bits", "__weakref__")
-
-    def __init__(self, store: Store, ref: int | None, site: str, source: "_Source",
-                 pending: tuple[Future, float] | None = None, mask: "_Saved | None" = None) -> None:
-        self.store, self.ref, self.site, self.pending, self.mask = store, ref, site, pending, mask
-        self.source, self.row, self.exact, self.numel = source, -1, False, 0
-        self.channels_last = False  # restored in channels-last layout (daf.runtime.layout)
-        self.readers: frozenset[str] | None = None  # the ops that may share it (None: any); Codecs.readers
-        self.bits = 0  # the code width it was stored at (a derived save asks whether it is fine enough)
-
-    def __del__(self) -> None:
-        if self.ref is None:
-            return
-        try:
-            self.store.release(self.ref)
-        except Exception:  # interpreter shutdown: nothing left to free
-            pass
-
-
-class _HeadInput:
-    """A head's input to be coded as a record when routing derives the log-probabilities from it."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class _NoCheck:
-    """The source of a record nothing saved (a head's input): its values are what the derived save was
-    made from, whatever happens to the tensor later, so there is no version to check."""
-
-    def check(self, site: str) -> None:
-        pass
-
-
-_NO_CHECK = _NoCheck()
-
-
-def _remake_from(records: list[Any], function: Any) -> Remake | None:
-    """A remake from ``records`` when each decodes to its tensor for any op (kept raw, or codes read by
-    all), its bits the coarsest of them (32 for a raw one)."""
-    if not all(isinstance(r, _Kept) or (isinstance(r, _Saved) and r.readers is None) for r in records):
-        return None
-    return Remake(tuple(records), function, min(r.bits if isinstance(r, _Saved) else 32 for r in records))
-
-
-def _check_version(tensor: torch.Tensor, version: int, site: str) -> None:
-    """Raise as autograd does when a tensor saved for backward was modified in place since it was saved
-    (saved-tensor hooks turn autograd's own check off, so DAF makes it)."""
-    if tensor._version != version:
-        raise RuntimeError(
-            f"DAF (site {site}): one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected "
-            f"version {version} instead. Plain PyTorch raises here too: make the change after backward, or out "
-            f"of place (x = x + 1 instead of x.add_(1)).")
-
-
-class _Source:
-    """Weak references to the tensor a record was made from (and to its base, when it is a view: they share
-    one version counter), and its version then. The record holds the values of pack time, but a program
-    that modifies the tensor in place before backward would raise without DAF: it raises with DAF too,
-    rather than train differently under DAF and without it. Through the base, a change is seen after the
-    view itself is gone (``h[:, :4].relu_()`` saves the slice; ``h.add_(1)`` later)."""
-
-    __slots__ = ("tensor", "base", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = weakref.ref(tensor), tensor._version
-        base = tensor._base
-        self.base = None if base is None else weakref.ref(base)
-
-    def check(self, site: str) -> None:
-        tensor = self.tensor()
-        if tensor is None and self.base is not None:
-            tensor = self.base()
-        if tensor is not None:
-            _check_version(tensor, self.version, site)
-
-
-class _Kept:
-    """A tensor autograd keeps as it is (raw, or a parameter), with its version at pack time; with
-    ``channels_last`` it is handed to backward as a channels-last copy (``restores_raw_channels_last``)."""
-
-    __slots__ = ("tensor", "version", "site", "channels_last")
-
-    def __init__(self, tensor: torch.Tensor, site: str, channels_last: bool = False) -> None:
-        self.tensor, self.version, self.site, self.channels_last = tensor, tensor._version, site, channels_last
-
-    def unpack(self) -> torch.Tensor:
-        _check_version(self.tensor, self.version, self.site)
-        if self.channels_last:
-            return torch.empty_like(self.tensor, memory_format=torch.channels_last).copy_(self.tensor)
-        return self.tensor
 
 
 class Session:
@@ -165,7 +57,7 @@ class Session:
         # Records of this forward by the autograd node (and output number) that made their tensor: the x of
         # a dropout product x * mask is found from the multiply's input edge. The node is kept with it, so
         # that its id cannot be reused while the entry lives.
-        self._outputs: dict[tuple[int, int], tuple[Any, _Saved]] = {}
+        self._outputs: dict[tuple[int, int], tuple[Any, Saved]] = {}
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
         # Linear calls of this forward by their output's node: (node, weakref to the input, its version, weight,
@@ -179,7 +71,7 @@ class Session:
         self._captured: tuple[int, list[Any]] | None = None
         self._parameter_storages: set[int] = set()
         self.packer = BackgroundPacker(self.codecs.serial_twin()) if config.background else None
-        self._pending: list[_Saved] = []
+        self._pending: list[Saved] = []
         # The last tensor unpacked, while its record lives: a tensor saved by two ops (a ReLU
         # output is also the next conv's input) is usually unpacked twice in a row, and this
         # decodes it once. Holds at most one decoded tensor, dropped with its record.
@@ -235,7 +127,7 @@ class Session:
         encoding = route(tensor, context)
         saved, stored = self._keep(encoding, tensor, context)
         row = self.accounting.add(site, tensor, encoding, stored)
-        if isinstance(saved, _Saved) and saved.pending is not None:
+        if isinstance(saved, Saved) and saved.pending is not None:
             saved.row = row  # its bytes are filled in when the background pack is collected
         self._observe(op, encoding, site, tensor, saved)
         return saved
@@ -245,17 +137,17 @@ class Session:
         if encoding.kind.stored:
             return self._encode_and_put(encoding, tensor, context)
         if encoding.kind is Kind.SHARED:
-            if self.config.channels_last and isinstance(context.shared, _Saved) and not reads_any_layout(context.op):
+            if self.config.channels_last and isinstance(context.shared, Saved) and not reads_any_layout(context.op):
                 context.shared.channels_last = False  # this op's backward gets the layout it saved
             return context.shared, 0
         if encoding.kind is Kind.DERIVED and isinstance(encoding.data, torch.Tensor):
-            return Derived(tensor, encoding.data, context.site, _Source(tensor)), 0
+            return Derived(tensor, encoding.data, context.site, Source(tensor)), 0
         if encoding.kind is Kind.DERIVED and encoding.data is context.remake:
             remake = encoding.data
             self.policy.watch(context.site, tensor, remake.bits, derived=True)
-            records = tuple(self._encode_head_input(r, context.site) if isinstance(r, _HeadInput) else r
+            records = tuple(self._encode_head_input(r, context.site) if isinstance(r, HeadInput) else r
                             for r in remake.records)
-            derived = DerivedActivation(tensor, records, remake.function, context.site, _Source(tensor), self.unpack)
+            derived = DerivedActivation(tensor, records, remake.function, context.site, Source(tensor), self.unpack)
             if tensor.grad_fn is not None:
                 self._remade[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, derived)
             if records != remake.records:  # saved again (cross_entropy's nll_loss): shared, not remade twice
@@ -263,10 +155,10 @@ class Session:
             return derived, 0
         if encoding.kind is Kind.DERIVED:
             x, mask = encoding.data
-            return DerivedProduct(tensor, x, mask, context.site, _Source(tensor), self.unpack), 0
+            return DerivedProduct(tensor, x, mask, context.site, Source(tensor), self.unpack), 0
         raw = encoding.kind is Kind.RAW
         channels_last = raw and restores_raw_channels_last(tensor, context.op, self.config.channels_last)
-        return _Kept(tensor, context.site, channels_last), tensor.numel() * tensor.element_size() if raw else 0
+        return Kept(tensor, context.site, channels_last), tensor.numel() * tensor.element_size() if raw else 0
 
     def _context(self, site: str, tensor: torch.Tensor, op: OpCall | None) -> Context:
         parameter = is_parameter(tensor, self._parameter_storages)
@@ -288,14 +180,14 @@ class Session:
                        remake=self._remake_of(tensor, op), shared=self._shareable(tensor, op),
                        relu_mask=self._relu_masks.get(tensor))
 
-    def _shareable(self, tensor: torch.Tensor, op: OpCall | None) -> "_Saved | None":
+    def _shareable(self, tensor: torch.Tensor, op: OpCall | None) -> "Saved | None":
         """The record of an earlier save of ``tensor`` in this forward, if ``op`` may read it."""
         saved = self._shared.get(tensor)
         if saved is not None and saved.readers is not None and (op is None or op.name not in saved.readers):
             return None
         return saved
 
-    def _product_of(self, tensor: torch.Tensor) -> tuple["_Saved", "_Saved"] | None:
+    def _product_of(self, tensor: torch.Tensor) -> tuple["Saved", "Saved"] | None:
         """The records (x, mask) when ``tensor`` is x times an exact mask and both are stored in this forward."""
         product = masked_product_of(tensor) if self.config.masks else None
         if product is None:
@@ -304,7 +196,7 @@ class Session:
         if x is None:  # no need to look for the mask
             return None
         mask = self._record_behind(product.multiply, product.mask_attribute)
-        if not isinstance(mask, _Saved) or not mask.exact:
+        if not isinstance(mask, Saved) or not mask.exact:
             return None
         if mask.numel != tensor.numel():  # a broadcast mask: the product has elements of its own
             return None
@@ -325,15 +217,15 @@ class Session:
             mask = self._record_behind(attention.node, attention.mask_attribute)
             if mask is not _ABSENT:
                 records.append(mask)
-            return _remake_from(records, attention.function)
+            return remake_from(records, attention.function)
         arguments = op.attention_arguments if op is not None else None
         probabilities = attention_map_of(tensor, *arguments) if arguments is not None else None
         if probabilities is None:
             return self._head_remake(tensor)
-        return _remake_from([self._record_behind(probabilities.node, a) for a in probabilities.attributes],
+        return remake_from([self._record_behind(probabilities.node, a) for a in probabilities.attributes],
                             probabilities.function)
 
-    def _record_of(self, node: Any, output_nr: int) -> "_Saved | None":
+    def _record_of(self, node: Any, output_nr: int) -> "Saved | None":
         """The record stored in this forward of output ``output_nr`` of autograd node ``node``, if it
         decodes to that tensor for every op (not derivative codes or log-probabilities)."""
         entry = self._outputs.get((id(node), output_nr))
@@ -343,7 +235,7 @@ class Session:
 
     def _head_remake(self, tensor: torch.Tensor) -> Remake | None:
         """Log-probabilities of a linear's output (an LM's head) whose input is alive: remade from an
-        8-bit record of that input, made only if routing derives them (``_HeadInput``)."""
+        8-bit record of that input, made only if routing derives them (``HeadInput``)."""
         for node, output_nr in nodes_behind(tensor):
             entry = self._linears.get((id(node), output_nr))
             if entry is not None and entry[0] is node:
@@ -357,17 +249,17 @@ class Session:
         versions = (weight._version, None if bias is None else bias._version)
         function = functools.partial(head_log_probabilities, weight=weight, bias=bias, versions=versions,
                                      shape=tuple(tensor.shape), dtype=tensor.dtype)
-        return Remake((_HeadInput(y),), function, HEAD_INPUT_BITS)
+        return Remake((HeadInput(y),), function, HEAD_INPUT_BITS)
 
-    def _encode_head_input(self, head_input: "_HeadInput", site: str) -> "_Saved":
+    def _encode_head_input(self, head_input: "HeadInput", site: str) -> "Saved":
         """Code the head's input at ``HEAD_INPUT_BITS`` as a record of its own; its row counts the bytes
         and no raw bytes (for a frozen head autograd would not keep it; a trained head's linear saves it
         apart, and that row counts them)."""
         y, spec = head_input.tensor, Spec(HEAD_INPUT_BITS, self._next_seed(), "linear")
         packed = self.codecs.encode("codes", y, spec)
         input_site = f"{site}.head_input"
-        saved = _Saved(self.store, self.store.put(packed, self.policy.importance(site, self._packs), input_site),
-                       input_site, _NO_CHECK)
+        saved = Saved(self.store, self.store.put(packed, self.policy.importance(site, self._packs), input_site),
+                       input_site, NO_CHECK)
         saved.numel, saved.bits = y.numel(), HEAD_INPUT_BITS
         self.accounting.add_unsaved(input_site, y, HEAD_INPUT_BITS, packed.nbytes)
         return saved
@@ -395,7 +287,7 @@ class Session:
             return _ABSENT
         return captured[0] if len(captured) == 1 else None
 
-    def _encode_and_put(self, encoding: Encoding, tensor: torch.Tensor, context: Context) -> tuple["_Saved", int]:
+    def _encode_and_put(self, encoding: Encoding, tensor: torch.Tensor, context: Context) -> tuple["Saved", int]:
         """Encode (here or on the packer's thread) and store; (the record, its bytes: 0 while pending)."""
         site, op = context.site, context.op
         spec = Spec(encoding.bits, self._next_seed(), op.name if op is not None else None, encoding.values)
@@ -404,13 +296,13 @@ class Session:
         mask = context.relu_mask if encoding.kind is Kind.NONZEROS else None
         codes = encoding.kind in (Kind.CODES, Kind.NONZEROS)
         if codes and self.packer is not None:
-            saved = _Saved(self.store, None, site, _Source(tensor),
+            saved = Saved(self.store, None, site, Source(tensor),
                            (self.packer.submit(encoding.codec, data, spec), importance), mask)
             self._pending.append(saved)
             stored = 0
         else:
             packed = self.codecs.encode(encoding.codec, data, spec)
-            saved = _Saved(self.store, self.store.put(packed, importance, site), site, _Source(tensor), None, mask)
+            saved = Saved(self.store, self.store.put(packed, importance, site), site, Source(tensor), None, mask)
             stored = packed.nbytes
         saved.exact, saved.numel, saved.bits = encoding.kind in (Kind.MASK, Kind.RELU_MASK), tensor.numel(), encoding.bits
         saved.channels_last = restores_channels_last(tensor, op, self.config.channels_last)
@@ -432,7 +324,7 @@ class Session:
             return
         if encoding.kind in (Kind.CODES, Kind.NONZEROS):
             op.saves.append((site, tensor))
-        elif encoding.kind is Kind.SHARED and isinstance(saved, _Saved):
+        elif encoding.kind is Kind.SHARED and isinstance(saved, Saved):
             op.saves.append((saved.site, tensor))
         elif isinstance(saved, DerivedActivation):  # what the plan weighs when it gives this site more bits
             op.saves.append((site, tensor))
@@ -446,7 +338,7 @@ class Session:
             return torch.empty(0)
         if isinstance(saved, DerivedActivation):
             return self._remade_tensor(saved)
-        if isinstance(saved, (_Kept, Derived, DerivedProduct)):
+        if isinstance(saved, (Kept, Derived, DerivedProduct)):
             return saved.unpack()
         saved.source.check(saved.site)
         recent = self._recent
