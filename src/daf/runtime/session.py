@@ -61,8 +61,7 @@ class Session:
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
         # Linear calls of this forward by their output's node: (node, weakref to the input, its version, weight,
-        # bias), so
-        # that log-probabilities made from a head's output can be remade from its input (``_head_remake``)
+        # bias), so that log-probabilities made from a head's output can be remade from its input (``_head_remake``)
         self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, int, torch.Tensor, torch.Tensor | None]] = {}
         # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
         # with it): the only nodes whose saves it reads (``_readable``).
@@ -145,12 +144,13 @@ class Session:
         if encoding.kind is Kind.DERIVED and encoding.data is context.remake:
             remake = encoding.data
             self.policy.watch(context.site, tensor, remake.bits, derived=True)
+            headed = any(isinstance(r, HeadInput) for r in remake.records)
             records = tuple(self._encode_head_input(r, context.site) if isinstance(r, HeadInput) else r
                             for r in remake.records)
             derived = DerivedActivation(tensor, records, remake.function, context.site, Source(tensor), self.unpack)
             if tensor.grad_fn is not None:
                 self._remade[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, derived)
-            if records != remake.records:  # saved again (cross_entropy's nll_loss): shared, not remade twice
+            if headed:  # log-probabilities, saved again by cross_entropy's nll_loss: shared, not remade twice
                 self._shared.put(tensor, derived)
             return derived, 0
         if encoding.kind is Kind.DERIVED:
@@ -259,7 +259,7 @@ class Session:
         packed = self.codecs.encode("codes", y, spec)
         input_site = f"{site}.head_input"
         saved = Saved(self.store, self.store.put(packed, self.policy.importance(site, self._packs), input_site),
-                       input_site, NO_CHECK)
+                      input_site, NO_CHECK)
         saved.numel, saved.bits = y.numel(), HEAD_INPUT_BITS
         self.accounting.add_unsaved(input_site, y, HEAD_INPUT_BITS, packed.nbytes)
         return saved
@@ -297,7 +297,7 @@ class Session:
         codes = encoding.kind in (Kind.CODES, Kind.NONZEROS)
         if codes and self.packer is not None:
             saved = Saved(self.store, None, site, Source(tensor),
-                           (self.packer.submit(encoding.codec, data, spec), importance), mask)
+                          (self.packer.submit(encoding.codec, data, spec), importance), mask)
             self._pending.append(saved)
             stored = 0
         else:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from daf.format import FLOAT_DTYPES
 from daf.tracing.ops import OpCall
+from daf.tracing.products import over_last_dimension
 
 __all__ = ["READERS", "is_log_probabilities", "stored_as_probabilities", "nodes_behind", "head_log_probabilities"]
 
@@ -53,10 +54,7 @@ def nodes_behind(tensor: torch.Tensor, most: int = 4) -> list[tuple[Any, int]]:
     nearest first: where the linear whose output it is may be found. Empty for anything but
     log_softmax's output over its last dimension."""
     node = tensor.grad_fn if is_log_probabilities(tensor) else None
-    try:
-        if node is None or node._saved_dim not in (-1, tensor.dim() - 1, 2**64 - 1):  # -1 reads back unsigned
-            return []
-    except RuntimeError:
+    if node is None or not over_last_dimension(node, tensor):
         return []
     found: list[tuple[Any, int]] = []
     edge = node.next_functions[0]

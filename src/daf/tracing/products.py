@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 __all__ = ["nodes_made_by", "MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of", "normalized_output_of",
            "rms_normalized_output_of", "AttentionOutput", "attention_output_of",
-           "AttentionMap", "attention_map_of"]
+           "AttentionMap", "attention_map_of", "over_last_dimension"]
 
 # Nodes whose output holds its input's elements in the same row-major order (an expand to the same
 # number of elements is the identity): the product can be remade as ``(x * mask).reshape(shape)``.
@@ -280,6 +280,14 @@ _SOFTMAX_FUNCTIONS = {"SafeSoftmaxBackward0": torch.ops.aten._safe_softmax, "Sof
 _PRODUCTS = frozenset({"BmmBackward0", "MmBackward0"})
 
 
+def over_last_dimension(node: Any, tensor: torch.Tensor) -> bool:
+    """Whether softmax's or log_softmax's node ``node``, which made ``tensor``, ran over its last dimension."""
+    try:
+        return node._saved_dim in (-1, tensor.dim() - 1, 2**64 - 1)  # -1 reads back unsigned
+    except RuntimeError:  # its saves already freed
+        return False
+
+
 def attention_map_of(tensor: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> AttentionMap | None:
     """Whether ``tensor`` is the probabilities of attention's math path, called with ``attn_mask`` and
     ``is_causal``: softmax over the last dimension of a matrix product's output viewed as ``tensor``,
@@ -289,10 +297,7 @@ def attention_map_of(tensor: torch.Tensor, attn_mask: torch.Tensor | None, is_ca
     softmax = _SOFTMAX_FUNCTIONS.get(type(node).__name__) if node is not None else None
     if softmax is None or tensor.output_nr != 0 or not tensor.is_contiguous():
         return None
-    try:
-        if node._saved_dim not in (-1, tensor.dim() - 1, 2**64 - 1):  # -1 reads back unsigned
-            return None
-    except RuntimeError:
+    if not over_last_dimension(node, tensor):
         return None
     scores, _ = node.next_functions[0]
     biased = attn_mask is not None or is_causal
