@@ -8,14 +8,15 @@ import re
 import pytest
 
 import daf
-from daf import Adaptive, Config, Division, MinMax, Uniform
+from daf import Adaptive, Auto, Config, Division, MinMax, Outliers, Uniform
 from daf.config import CONFIG_VERSION, parse_size
 
 
 def test_defaults_are_valid():
     c = Config()
-    assert (c.bits, c.group_size, c.rounding, c.policy, c.codec) == (2, 256, "stochastic", Uniform(), MinMax())
-    assert (daf.Uniform, daf.Adaptive, daf.MinMax, daf.Division) == (Uniform, Adaptive, MinMax, Division)
+    assert (c.bits, c.group_size, c.rounding, c.policy, c.codec) == (None, 256, "stochastic", Auto(),
+                                                                      Outliers(above=8.0))
+    assert (daf.Auto, daf.Uniform, daf.Adaptive, daf.MinMax, daf.Division) == (Auto, Uniform, Adaptive, MinMax, Division)
 
 
 @pytest.mark.parametrize("field, value, allowed", [
@@ -26,7 +27,7 @@ def test_defaults_are_valid():
     ("rounding", "up", "'stochastic', 'nearest'"),
     ("min_numel", -1, ">= 0"),
     ("seed", 1.5, "integer"),
-    ("policy", "greedy", "daf.Uniform(), daf.Adaptive(...)"),
+    ("policy", "greedy", "daf.Auto(...), daf.Uniform(), daf.Adaptive(...)"),
     ("codec", "zip", "daf.MinMax(), daf.Division()"),
     ("backend", "cuda", "'auto', 'native', 'reference'"),
     ("budget", "lots", "could not parse"),
@@ -95,9 +96,9 @@ def test_typed_configs_refuse_unknown_keywords_and_assignment():
     (dict(codec="minmax"), "write codec=daf.MinMax()"),
     (dict(bits=1.5), "Config.bits must be one of (1, 2, 4, 8) (the code width of the Uniform policy), got 1.5; "
                      "for an average of 1.5 bits per element write policy=daf.Adaptive(average=1.5)"),
-    (dict(bits=4, policy=Adaptive()), "write policy=daf.Adaptive(average=4.0) and leave bits at 2"),
+    (dict(bits=4, policy=Adaptive()), "write policy=daf.Adaptive(average=4.0) and leave bits out"),
     (dict(replan_every=10), "write policy=daf.Adaptive(replan_every=...)"),
-    (dict(policy=Division()), "Config.policy must be one of daf.Uniform(), daf.Adaptive(...)"),
+    (dict(policy=Division()), "Config.policy must be one of daf.Auto(...), daf.Uniform(), daf.Adaptive(...)"),
     (dict(codec=Adaptive()), "Config.codec must be one of daf.MinMax(), daf.Division()"),
 ])
 def test_the_old_string_and_number_forms_say_what_to_write_instead(kwargs, says):
@@ -130,7 +131,8 @@ def test_replace_validates_and_rejects_unknown_fields():
 def test_round_trips_through_json(config):
     data = config.to_dict()
     assert data["version"] == CONFIG_VERSION == 2
-    assert data["policy"]["kind"] in ("uniform", "adaptive") and data["codec"]["kind"] in ("minmax", "division")
+    assert data["policy"]["kind"] in ("auto", "uniform", "adaptive")
+    assert data["codec"]["kind"] in ("minmax", "division", "outliers")
     again = Config.from_dict(json.loads(json.dumps(data)))
     assert again == config and again.to_dict() == data
 
@@ -139,7 +141,8 @@ def test_typed_configs_serialize_with_their_kind_and_fields():
     data = Config(policy=Adaptive(average=1.5), codec=Division()).to_dict()
     assert data["policy"] == {"kind": "adaptive", "average": 1.5, "replan_every": 50, "window": 4, "smoothing": 0.7,
                               "min_gain": 0.25, "allow_raw": True, "generic": "hold"}
-    assert data["codec"] == {"kind": "division"} and Config().to_dict()["policy"] == {"kind": "uniform"}
+    assert data["codec"] == {"kind": "division"} and Config(bits=2).to_dict()["policy"] == {"kind": "uniform"}
+    assert Config().to_dict()["policy"] == {"kind": "auto", "bits": 4, "feature_map_bits": 2, "sensitive_bits": 8}
     assert "replan_every" not in data
 
 
@@ -162,11 +165,12 @@ _V1 = {"bits": 2, "group_size": 256, "rounding": "stochastic", "min_numel": 4096
 
 
 @pytest.mark.parametrize("changes, expected", [
-    ({}, Config()),
+    ({}, Config(bits=2, codec=MinMax())),  # what version 1 wrote is kept: uniform 2-bit MinMax, not today's default
     ({"bits": 4, "codec": "division"}, Config(bits=4, codec=Division())),
-    ({"policy": "adaptive", "bits": 1.5, "replan_every": 7}, Config(policy=Adaptive(average=1.5, replan_every=7))),
-    ({"policy": "adaptive", "bits": 4.0}, Config(policy=Adaptive(average=4.0))),
-    ({"replan_every": 3}, Config()),  # it did nothing under the uniform policy
+    ({"policy": "adaptive", "bits": 1.5, "replan_every": 7},
+     Config(policy=Adaptive(average=1.5, replan_every=7), codec=MinMax())),
+    ({"policy": "adaptive", "bits": 4.0}, Config(policy=Adaptive(average=4.0), codec=MinMax())),
+    ({"replan_every": 3}, Config(bits=2, codec=MinMax())),  # it did nothing under the uniform policy
 ])
 def test_version_1_dicts_are_migrated(changes, expected):
     data = {**_V1, **changes}
@@ -176,7 +180,8 @@ def test_version_1_dicts_are_migrated(changes, expected):
 
 def test_version_1_dicts_of_older_records_lacking_later_fields_are_migrated():
     old = {k: v for k, v in _V1.items() if k not in ("masks", "allocator")}
-    assert Config.from_dict({**old, "policy": "adaptive", "bits": 2.0}) == Config(policy=Adaptive(average=2.0))
+    assert Config.from_dict({**old, "policy": "adaptive", "bits": 2.0}) == Config(policy=Adaptive(average=2.0),
+                                                                                  codec=MinMax())
 
 
 @pytest.mark.parametrize("changes, says", [({"policy": "greedy"}, "version-1 Config.policy"),
@@ -217,7 +222,7 @@ def test_a_config_cannot_be_changed_after_it_is_validated(field, value):
         setattr(c, field, value)
     with pytest.raises(AttributeError, match="immutable"):  # FrozenInstanceError is an AttributeError
         delattr(c, "bits")
-    assert c == Config() and c.bits == 2 and c.budget is None
+    assert c == Config() and c.bits is None and c.budget is None
 
 
 def test_frozen_config_still_copies_hashes_and_pickles():

@@ -39,12 +39,13 @@ from typing import Any
 from daf.allocator.libraries import ALLOCATORS
 from daf.format import ALLOWED_BITS
 
-__all__ = ["Config", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "parse_size",
+__all__ = ["Config", "Auto", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "parse_size",
            "register_config_type", "ALLOWED_BITS", "CONFIG_VERSION"]
 
 # 2: policy and codec are typed configs ({"kind": ..., fields}), replan_every moved into Adaptive,
 # bits is only the uniform width. Version-1 dicts are migrated by ``Config.from_dict``.
 CONFIG_VERSION = 2
+UNIFORM_BITS = 2  # the Uniform policy's width when none is given
 
 _ROUNDINGS = ("stochastic", "nearest")
 GENERIC_MODES = ("hold", "floor", "trade")  # what Adaptive.generic may be (daf.policy.adaptive reads it)
@@ -147,7 +148,56 @@ def _immutable(cls: type) -> type:
     return cls
 
 
+def _check_int(name: str, value: Any, low: int, high: int | None, owner: str = "Config") -> None:
+    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}.{name} must be an integer {allowed}, got {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{owner}.{name} must be an integer {allowed}, got {value}")
+
+
+def _check_number(label: str, value: Any, low: float, high: float, high_open: bool = False) -> None:
+    allowed = f"in [{low}, {high})" if high_open else f"in [{low}, {high}]"
+    if not _is_number(value) or not low <= value <= high or (high_open and value == high):
+        raise ValueError(f"{label} must be a number {allowed}, got {value!r}")
+
+
+def _check_bool(label: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{label} must be True or False, got {value!r}")
+
+
+def _check_choice_of(label: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed or isinstance(value, bool):
+        raise ValueError(f"{label} must be one of {allowed}, got {value!r}")
+
+
 # -- typed configs of the bit policy and the codec --------------------------------------------------
+
+@_immutable
+@dataclass(frozen=True)
+class Auto:
+    """Bit policy of ``Config()`` (the default): a width per save from what reads it in backward, so that
+    one line, ``daf.wrap(model)``, keeps any model's gradient (docs/policy.md, "The default").
+
+    Attributes:
+        bits: what a linear, matmul, norm or activation saves (transformers' saves), 1, 2, 4 or 8.
+        feature_map_bits: what a convolution, batch norm, pooling or the activations between them save
+            (a CNN's feature maps, 3-D and more): 2 bits train ResNet-18 within half a point of fp32.
+        sensitive_bits: what backward reads through a saturating derivative (tanh's and sigmoid's
+            outputs, softmax's probabilities) and fused attention's v: an error there is not averaged out.
+    Fused attention's q and k get the fewest bits whose predicted logit error is small, or stay raw
+    (``daf.policy.exponent_guard.logit_bits``), whatever the policy.
+    """
+
+    bits: int = 4
+    feature_map_bits: int = 2
+    sensitive_bits: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("bits", "feature_map_bits", "sensitive_bits"):
+            _check_choice_of(f"Auto.{name}", getattr(self, name), ALLOWED_BITS)
+
 
 @_immutable
 @dataclass(frozen=True)
@@ -225,14 +275,20 @@ class Outliers:
             token scales cost ``(32 + 32) / C`` bits per element in float32, 2 bits at C = 32 (an
             attention head's q, k, v), where MinMax at 4 bits costs what this codec does at 2 and
             gives a third of the LoRA gradient error (docs/transformers.md, section 1b). At least 16.
+        above: split a save only where its largest channel's peak |x| is at least ``above`` times the
+            median channel's (large channels present); other saves use MinMax, which costs less. 0
+            splits every save the codec applies to. The default config uses 8.
     """
 
     fraction: float = 0.01
     axis: str = "channel"
     derivatives: bool = False
     min_channels: int = 128
+    above: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_number("Outliers.above", self.above, 0, 1e6)
+        object.__setattr__(self, "above", float(self.above))
         _check_number("Outliers.fraction", self.fraction, 0, 0.5)
         object.__setattr__(self, "fraction", float(self.fraction))
         if self.axis not in _AXES:
@@ -244,7 +300,7 @@ class Outliers:
 # The config types each typed field of Config takes, by their serialized "kind". Filled at import:
 # the built-ins here, others by ``register_config_type`` (``daf.policy.register_policy`` calls it).
 _KINDS: dict[str, dict[str, type]] = {
-    "policy": {"uniform": Uniform, "adaptive": Adaptive},
+    "policy": {"auto": Auto, "uniform": Uniform, "adaptive": Adaptive},
     "codec": {"minmax": MinMax, "division": Division, "outliers": Outliers},
 }
 
@@ -349,8 +405,9 @@ class Config:
     validated copy; assigning a field raises ``dataclasses.FrozenInstanceError``.
 
     Attributes:
-        bits: code width per element of the ``Uniform`` policy, one of 1, 2, 4, 8. The adaptive
-            policy's average is ``Adaptive.average``; with it, ``bits`` stays at its default.
+        bits: code width per element of the ``Uniform`` policy, one of 1, 2, 4, 8; giving it asks for
+            that policy (``daf.wrap(model, bits=2)``). None (the default) leaves the choice to the
+            policy: ``Auto()`` (a width per save), or ``Adaptive.average``.
         group_size: elements sharing one min/scale pair; a power of two in [16, 2**20].
         rounding: "stochastic" (unbiased, default) or "nearest".
         min_numel: tensors with fewer elements are kept as they are.
@@ -402,13 +459,13 @@ class Config:
             a save it does not see gets the policy's bits.
     """
 
-    bits: int = 2
+    bits: int | None = None
     group_size: int = 256
     rounding: str = "stochastic"
     min_numel: int = 4096
     seed: int = 0
-    policy: Uniform | Adaptive = Uniform()
-    codec: MinMax | Division | Outliers = MinMax()
+    policy: Auto | Uniform | Adaptive = Auto()
+    codec: MinMax | Division | Outliers = Outliers(above=8.0)
     backend: str = "auto"
     budget: int | str | None = None
     min_bits: int = 2
@@ -452,8 +509,14 @@ class Config:
                              f"{CONFIG_VERSION} (Config.from_dict reads version-1 dicts too)")
 
     def _check_bits(self) -> None:
-        """``bits`` is a width; an average belongs to ``Adaptive``, which says so when it is asked for."""
+        """``bits`` is a width; an average belongs to ``Adaptive``, which says so when it is asked for. A width
+        given with the default ``Auto`` policy asks for uniform bits; without one, ``Uniform`` takes 2."""
         bits = self.bits
+        if bits is None:
+            object.__setattr__(self, "bits", None if isinstance(self.policy, (Auto, Adaptive)) else UNIFORM_BITS)
+            return
+        if isinstance(self.policy, Auto):
+            object.__setattr__(self, "policy", Uniform())
         if not (_is_number(bits) and bits in ALLOWED_BITS):
             hint = ""
             if _is_number(bits) and 1 <= bits <= 8:
@@ -461,11 +524,10 @@ class Config:
             raise ValueError(f"Config.bits must be one of {ALLOWED_BITS} (the code width of the Uniform policy), "
                              f"got {bits!r}{hint}")
         object.__setattr__(self, "bits", int(bits))
-        default = Config.__dataclass_fields__["bits"].default
-        if isinstance(self.policy, Adaptive) and self.bits != default:
+        if isinstance(self.policy, Adaptive) and self.bits != UNIFORM_BITS:  # 2: what configs of version 2 wrote
             raise ValueError(f"Config.bits={self.bits} is the width of the Uniform policy and does nothing with "
                              f"policy=daf.Adaptive(...), whose average is Adaptive.average: write "
-                             f"policy=daf.Adaptive(average={float(self.bits)!r}) and leave bits at {default}")
+                             f"policy=daf.Adaptive(average={float(self.bits)!r}) and leave bits out")
 
     def floor_for(self, op_name: str | None) -> int:
         """The fewest bits ``floors`` allows for a save of ``op_name`` (1 where none is named)."""
@@ -540,23 +602,10 @@ def _check_torch_function(name: str, floors: Any) -> None:
                      f"floors name the torch function that saves, as daf.report's ops show it; got {floors!r}")
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None, owner: str = "Config") -> None:
-    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{owner}.{name} must be an integer {allowed}, got {value!r}")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"{owner}.{name} must be an integer {allowed}, got {value}")
 
 
-def _check_number(label: str, value: Any, low: float, high: float, high_open: bool = False) -> None:
-    allowed = f"in [{low}, {high})" if high_open else f"in [{low}, {high}]"
-    if not _is_number(value) or not low <= value <= high or (high_open and value == high):
-        raise ValueError(f"{label} must be a number {allowed}, got {value!r}")
 
 
-def _check_bool(label: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{label} must be True or False, got {value!r}")
 
 
 def _check_spill_dir(path: Any) -> None:
@@ -572,6 +621,8 @@ def _check_spill_dir(path: Any) -> None:
         raise ValueError(f"Config.spill_dir must be {allowed}; got {path!r}: {why}")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"Config.spill_dir must be {allowed}; got {path!r}: it is not writable")
+
+
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:

@@ -35,6 +35,7 @@ class SiteRow:
     raw_bytes: int
     stored_bytes: int
     kind: str
+    why: str = ""  # the rule that gave a coded save its width (or kept it raw)
 
 
 @dataclass
@@ -88,10 +89,10 @@ class Report:
         return {"totals": self.totals(), "rows": [r.__dict__ for r in self.rows], "sections": self.sections}
 
     def __str__(self) -> str:
-        header = ("site", "source", "shape", "dtype", "bits", "raw", "stored", "kind")
+        header = ("site", "source", "shape", "dtype", "bits", "raw", "stored", "kind", "why")
         lines = [header] + [
             (r.site, r.source, "x".join(map(str, r.shape)) or "scalar", r.dtype,
-             "-" if r.bits is None else str(r.bits), _size(r.raw_bytes), _size(r.stored_bytes), r.kind)
+             "-" if r.bits is None else str(r.bits), _size(r.raw_bytes), _size(r.stored_bytes), r.kind, r.why)
             for r in self.rows
         ]
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

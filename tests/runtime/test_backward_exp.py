@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import daf
 from daf.policy import exponent_guard as guard_module
-from daf.policy.exponent_guard import ATTENTION_VALUE_BITS, PROBABILITY_BITS, SOFTMAX_RECOMPUTE_BITS
+from daf.policy.exponent_guard import (ATTENTION_VALUE_BITS, LOGIT_ERROR, LOGIT_WIDTHS, PROBABILITY_BITS,
+                                       SOFTMAX_RECOMPUTE_BITS, logit_bits)
 route_module = importlib.import_module("daf.runtime.route")
 session_module = importlib.import_module("daf.runtime.session")  # the package exports the function under this name
 
@@ -54,16 +55,19 @@ needs_fused = pytest.mark.skipif(not _fused_attention_saves_inputs(),
 @pytest.mark.parametrize("masks", [True, False])
 @pytest.mark.parametrize("policy,bits", [(daf.Uniform(), 2), (daf.Uniform(), 1), (daf.Adaptive(average=2.0), 2)],
                          ids=["uniform-2", "uniform-1", "adaptive-2.0"])
-def test_fused_attention_keeps_q_and_k_at_eight_bits_and_remakes_its_output(policy, bits, masks):
+def test_fused_attention_bounds_q_and_k_and_remakes_its_output_with_the_logsumexp(policy, bits, masks):
     torch.manual_seed(0)
     model, x = Attention(), torch.randn(4, 64, 64)
     daf.wrap(model, bits=bits, policy=policy, masks=masks, min_numel=1)
     model(x).sum().backward()
     rows = daf.report(model).rows
     attention = [r for r in rows if r.shape == (4, 4, 64, 16)]  # q (scaled), k, v, output
-    assert [(r.kind, r.bits) for r in attention[:2]] == [("compressed", SOFTMAX_RECOMPUTE_BITS)] * 2
+    assert [r.kind for r in attention[:2]] == ["compressed"] * 2
+    assert all(r.bits in LOGIT_WIDTHS and r.bits > bits for r in attention[:2])  # the bound's width, not the policy's
     assert (attention[2].kind, attention[2].bits) == ("compressed", ATTENTION_VALUE_BITS)  # v
     assert attention[3].kind == "derived" and attention[3].stored_bytes == 0  # the output
+    logsumexp = [r for r in rows if r.shape == (4, 4, 64)]
+    assert [(r.kind, r.stored_bytes) for r in logsumexp] == [("derived", 0)]  # remade with the output
     others = [r for r in rows if r.shape != (4, 4, 64, 16) and r.kind == "compressed"]  # the linear layers' inputs
     assert others and all(r.bits < SOFTMAX_RECOMPUTE_BITS for r in others)
 
@@ -78,7 +82,9 @@ def test_the_remade_attention_output_is_the_kernels():
         out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         found = attention_output_of(out)
         given = (mask,) if "attn_mask" in kwargs else ()
-        assert found is not None and torch.equal(found.function(q.detach(), k.detach(), v.detach(), *given), out.detach())
+        remade, logsumexp = found.function(q.detach(), k.detach(), v.detach(), *given)
+        assert found is not None and torch.equal(remade, out.detach())
+        assert logsumexp.shape == q.shape[:-1] and torch.isfinite(logsumexp).all()
     assert attention_output_of(F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)) is None
     assert attention_output_of(q * 2) is None
 
@@ -138,9 +144,9 @@ def test_sharp_attention_at_two_bits_needs_the_rule(monkeypatch, sharpness):
     daf.wrap(model, bits=2, min_numel=1)
     kept = _grads(model, x)
     assert torch.isfinite(kept).all() and F.cosine_similarity(kept, reference, dim=0) > 0.97
-    monkeypatch.setattr(guard_module, "SOFTMAX_RECOMPUTE_BITS", 2)
+    monkeypatch.setattr(guard_module, "floor_rule", lambda *args: (1, ""))
     broken = _grads(model, x)  # the same codes for q, k, v and the output as for everything else
-    assert not torch.isfinite(broken).all() or F.cosine_similarity(broken, reference, dim=0) < 0.5
+    assert not torch.isfinite(broken).all() or F.cosine_similarity(broken, reference, dim=0) < 0.9
 
 
 class SharpClassifier(torch.nn.Module):
@@ -254,9 +260,40 @@ def test_the_probability_floor_cuts_the_gradient_error(monkeypatch):
 def test_a_raw_choice_of_the_policy_stays_raw_for_probabilities():
     from daf.policy.exponent_guard import guarded_bits
 
-    class KeepRaw:
+    class KeepRaw(daf.policy.Policy):
         def bits_for(self, site, x):
             return 0
 
     probabilities = torch.randn(64, 64, requires_grad=True).softmax(-1)
     assert guarded_bits(KeepRaw(), "s", probabilities) == 0
+
+
+@pytest.mark.parametrize("magnitude, expected", [(0.3, 4), (1.5, 8), (5.0, 0)])
+def test_logit_bits_is_the_fewest_width_whose_predicted_shift_is_small(magnitude, expected):
+    """q and k get the fewest width whose predicted logit shift is under LOGIT_ERROR; none: kept raw (0)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 64, 64, generator=g) * magnitude for _ in range(2))
+    assert logit_bits(q, (q, k, 64 ** -0.5), "nearest", 256) == expected
+
+
+def test_the_predicted_shift_bounds_the_measured_one():
+    """Codes at the width ``logit_bits`` picks shift the logits by less than ``LOGIT_ERROR`` (root mean square)."""
+    from daf.codec.minmax import MinMaxCodec
+    from daf.codec.spec import Spec
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 64, 64, generator=g) * 1.5 for _ in range(2))
+    bits = logit_bits(q, (q, k, 64 ** -0.5), "nearest", 256)
+    codec = MinMaxCodec(daf.Config(bits=bits, rounding="nearest", backend="reference"))
+    decoded = codec.decode(codec.encode(q, Spec(bits, 0)))
+    measured = float(((decoded - q) @ k.transpose(-1, -2) * 64 ** -0.5).square().mean().sqrt())
+    assert bits == 8 and LOGIT_ERROR / 10 < measured <= LOGIT_ERROR
+
+
+@needs_fused
+def test_q_and_k_whose_codes_would_shift_the_logits_too_far_stay_raw():
+    torch.manual_seed(0)
+    model, x = Attention(sharpness=100.0), torch.randn(2, 64, 64) * 10
+    daf.wrap(model, min_numel=1)
+    model(x).sum().backward()
+    q = [r for r in daf.report(model).rows if r.shape == (2, 4, 64, 16)][0]  # the scaled query
+    assert q.kind == "raw"

@@ -216,7 +216,7 @@ class ChannelCodec:
     def encode(self, x: torch.Tensor, spec: Spec) -> Packed:
         if self.consumer_only(x, spec):
             return self.derivative.encode(x, spec)
-        if not applies(x, spec.consumer, self.config.min_channels):
+        if not applies(x, spec.consumer, self.config.min_channels) or not self._large_channels(x):
             return self.minmax.encode(x, spec)
         axis = self.config.axis
         index, values, coded, scale = split_channels(x, self.outlier_count(x.shape[-1]), axis)
@@ -225,6 +225,14 @@ class ChannelCodec:
             group = _token_group(coded.shape[1], group)
         packed = encode(coded, spec.bits, group, self.minmax.rounding, spec.seed, self.minmax.backend)
         return ChannelPacked.of(packed, tuple(x.shape), axis, index, values, scale)
+
+    def _large_channels(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s largest channel peak is at least ``above`` times the median channel's (always, at 0):
+        without such channels MinMax's groups lose nothing to them and cost less."""
+        if self.config.above == 0:
+            return True
+        peak = largest_magnitude(x.detach().reshape(-1, x.shape[-1])).float()
+        return bool(peak.max() >= self.config.above * peak.median())
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if isinstance(packed, DerivativePacked):

@@ -21,12 +21,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import TypeVar
 
-from daf.config import Adaptive, Config, Uniform, register_config_type
+from daf.config import Adaptive, Auto, Config, Uniform, register_config_type
 from daf.policy.adaptive import AdaptivePolicy
 from daf.policy.allocator import Plan, Site, allocate
+from daf.policy.auto import AutoPolicy
 from daf.policy.uniform import Policy, UniformPolicy
 
-__all__ = ["Policy", "UniformPolicy", "AdaptivePolicy", "make_policy", "register_policy", "allocate", "Site",
+__all__ = ["Policy", "AutoPolicy", "UniformPolicy", "AdaptivePolicy", "make_policy", "register_policy", "allocate", "Site",
            "Plan"]
 
 PolicyFactory = Callable[[Config], Policy]
@@ -60,6 +61,11 @@ def make_policy(config: Config) -> Policy:
         raise ValueError(f"no policy is registered for Config.policy of type {name}; register a factory with "
                          f"@daf.policy.register_policy({name}), or use daf.Uniform() or daf.Adaptive(...)")
     return factory(config)
+
+
+@register_policy(Auto)
+def _auto(config: Config) -> Policy:
+    return AutoPolicy(config.policy)
 
 
 @register_policy(Uniform)

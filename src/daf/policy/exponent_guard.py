@@ -33,7 +33,7 @@ import torch
 from daf.policy.uniform import Policy
 from daf.tracing import OpCall, is_log_probabilities, stored_as_probabilities
 
-__all__ = ["guarded_bits", "floor_bits", "SOFTMAX_RECOMPUTE_BITS", "PROBABILITY_BITS", "ATTENTION_VALUE_BITS",
+__all__ = ["guarded_bits", "guarded_choice", "floor_bits", "floor_rule", "logit_bits", "LOGIT_WIDTHS", "LOGIT_ERROR", "SOFTMAX_RECOMPUTE_BITS", "PROBABILITY_BITS", "ATTENTION_VALUE_BITS",
            "HEAD_INPUT_BITS", "backward_exponentiates",
            "is_probability_map"]
 
@@ -45,6 +45,10 @@ ATTENTION_VALUE_BITS = 4
 # input, relative error: 0.18 remade from 4-bit codes, 0.011 from 8-bit, 0.03 for the 4-bit codes of
 # the probabilities themselves.
 HEAD_INPUT_BITS = 8
+# Fused attention's q and k: the widths tried, fewest first, and the shift of the logits their codes may
+# cause (root mean square; a relative error of about as much on each probability).
+LOGIT_WIDTHS = (4, 8)
+LOGIT_ERROR = 0.03
 _SOFTMAX_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 
 
@@ -66,17 +70,78 @@ def is_probability_map(tensor: torch.Tensor, call: OpCall | None = None) -> bool
         or stored_as_probabilities(tensor, call)
 
 
-def floor_bits(x: torch.Tensor, op: OpCall | None = None) -> int:
-    """The fewest bits these rules allow for ``x`` (1: no rule applies)."""
+def floor_bits(x: torch.Tensor, op: OpCall | None = None, rounding: str = "stochastic", group_size: int = 256) -> int:
+    """The fewest bits these rules allow for ``x`` (1: no rule applies; 0: only raw will do)."""
+    return floor_rule(x, op, rounding, group_size)[0]
+
+
+def floor_rule(x: torch.Tensor, op: OpCall | None = None, rounding: str = "stochastic",
+               group_size: int = 256) -> tuple[int, str]:
+    """``floor_bits`` and the name of the rule that sets it ("" where none applies)."""
+    if op is not None and op.fused_attention_role(x) == "logits" and op.attention_logits is not None:
+        return logit_bits(x, op.attention_logits, rounding, group_size), "logit error bound"
     if backward_exponentiates(op, x):
-        return SOFTMAX_RECOMPUTE_BITS
+        return SOFTMAX_RECOMPUTE_BITS, "exponentiated in backward"
     if op is not None and op.fused_attention_role(x) == "values":  # v, and the output where it is remade
-        return ATTENTION_VALUE_BITS
-    return PROBABILITY_BITS if is_probability_map(x, op) else 1
+        return ATTENTION_VALUE_BITS, "attention values"
+    return (PROBABILITY_BITS, "probabilities") if is_probability_map(x, op) else (1, "")
 
 
-def guarded_bits(policy: Policy, site: str, x: torch.Tensor, op: OpCall | None = None) -> int:
+def guarded_bits(policy: Policy, site: str, x: torch.Tensor, op: OpCall | None = None,
+                 rounding: str = "stochastic", group_size: int = 256) -> int:
     """``policy.bits_for(site, x)``, raised to ``floor_bits``: whatever the policy, these rules hold
-    (a raw choice, 0 bits, stays raw)."""
-    bits = policy.bits_for(site, x)
-    return max(bits, floor_bits(x, op)) if bits else bits
+    (a raw choice, 0 bits, stays raw; so does a save whose error bound no width meets)."""
+    return guarded_choice(policy, site, x, op, rounding, group_size)[0]
+
+
+def guarded_choice(policy: Policy, site: str, x: torch.Tensor, op: OpCall | None = None,
+                   rounding: str = "stochastic", group_size: int = 256) -> tuple[int, str]:
+    """``guarded_bits`` and why: the rule that set the width (the policy's reason, or a guard's)."""
+    bits = policy.bits_for_call(site, x, op)
+    reason = policy.reason(x, op)
+    if not bits:
+        return bits, reason
+    floor, rule = floor_rule(x, op, rounding, group_size)
+    if floor == 0:
+        return 0, f"{rule}: no width meets it"
+    return (floor, rule) if floor > bits else (bits, reason)
+
+
+def logit_bits(x: torch.Tensor, logits: tuple[torch.Tensor, torch.Tensor, float], rounding: str,
+               group_size: int) -> int:
+    """The fewest bits of ``LOGIT_WIDTHS`` at which codes of ``x`` (fused attention's q or k) shift the
+    logits by at most ``LOGIT_ERROR`` (root mean square), predicted from the codes' step and the other
+    operand's magnitude; 0 (kept raw) where even 8 bits would shift them more.
+
+    A logit is ``scale * sum_d q_d k_d``; an independent error of root mean square ``e`` on each of
+    ``x``'s ``D`` elements shifts it by ``scale * sqrt(D) * e * rms(other)``. The error of a code is its
+    group's step times 1/sqrt(12) (nearest) or at most 1/sqrt(6) (stochastic rounding). Backward
+    exponentiates the logits: with the logsumexp remade from the same codes the probabilities still sum
+    to one, and a shift of ``e`` is a relative error of about ``e`` on each of them.
+    """
+    query, key, scale = logits
+    if x.numel() == 0 or not x.dtype.is_floating_point:
+        return LOGIT_WIDTHS[0]
+    other = key if x is query else query if x is key else None
+    magnitude = max(_rms(query), _rms(key)) if other is None else _rms(other)
+    step = _rms_group_range(x, group_size)
+    spread = (6.0 if rounding == "stochastic" else 12.0) ** -0.5
+    for bits in LOGIT_WIDTHS:
+        shift = abs(scale) * x.shape[-1] ** 0.5 * step / (2**bits - 1) * spread * magnitude
+        if shift <= LOGIT_ERROR:
+            return bits
+    return 0
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.detach().float().square().mean().sqrt()) if t.numel() else 0.0
+
+
+def _rms_group_range(x: torch.Tensor, group_size: int) -> float:
+    """Root mean square of the range of ``x``'s groups of ``group_size`` elements (memory order, as the codes
+    group them; a trailing part group is left out)."""
+    flat = x.detach().reshape(-1)
+    whole = flat.numel() // group_size * group_size
+    groups = (flat[:whole] if whole else flat).reshape(-1, min(group_size, flat.numel())).float()
+    low, high = torch.aminmax(groups, dim=1)
+    return float((high - low).square().mean().sqrt())

@@ -21,6 +21,14 @@ class Policy:
         """Bits for the tensor saved at ``site``; 0 keeps it raw."""
         raise NotImplementedError
 
+    def bits_for_call(self, site: str, x: torch.Tensor, op: Any) -> int:
+        """``bits_for``, for a policy that also reads the saving call (a ``daf.tracing.OpCall`` or None)."""
+        return self.bits_for(site, x)
+
+    def reason(self, x: torch.Tensor, op: Any) -> str:
+        """Why ``bits_for_call`` gives ``x`` its width, for the report: the policy's name by default."""
+        return str(self.summary().get("policy", type(self).__name__))
+
     def importance(self, site: str, order: int) -> float:
         """Larger is more important. Stand-in: the pack order, so the activations that
         backward needs last (saved first) are the first candidates for demotion and spill."""

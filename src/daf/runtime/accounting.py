@@ -43,7 +43,7 @@ class Accounting:
     def end(self) -> None:
         self._last = self._rows
 
-    def add(self, site: str, tensor: torch.Tensor, encoding: Encoding, stored: int) -> int:
+    def add(self, site: str, tensor: torch.Tensor, encoding: Encoding, stored: int, why: str = "") -> int:
         """Count one save; returns its row number (for ``fill``), -1 for a parameter (no row)."""
         if encoding.kind is Kind.PARAMETER:
             self.parameters_referenced += 1
@@ -62,7 +62,7 @@ class Accounting:
         source = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "no history"
         self._rows.append(SiteRow(site, source, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
                                   encoding.bits if encoding.kind.stored else None, raw, stored,
-                                  _ROW_KIND[encoding.kind]))
+                                  _ROW_KIND[encoding.kind], why))
         return len(self._rows) - 1
 
     def add_unsaved(self, site: str, tensor: torch.Tensor, bits: int, stored: int) -> None:
@@ -72,10 +72,11 @@ class Accounting:
         self._rows.append(SiteRow(site, source, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
                                   bits, 0, stored, "compressed"))
 
-    def fill(self, row: int, site: str, stored: int) -> None:
-        """The stored bytes of a row packed in the background, once known."""
+    def fill(self, row: int, site: str, stored: int, kind: str | None = None) -> None:
+        """The stored bytes of a row packed in the background, once known; or of a raw row whose tensor is
+        remade after all (``kind`` "derived": fused attention's logsumexp, once its output is remade)."""
         if 0 <= row < len(self._rows) and self._rows[row].site == site:
-            self._rows[row] = replace(self._rows[row], stored_bytes=stored)
+            self._rows[row] = replace(self._rows[row], stored_bytes=stored, kind=kind or self._rows[row].kind)
 
     def report(self, sections: dict[str, Any], forward: int | None) -> Report:
         """Figures of the last finished forward (number ``forward``)."""

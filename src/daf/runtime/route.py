@@ -29,7 +29,8 @@ In order (the first that holds decides):
    exp, as codes of its probabilities: ``daf.codec.logprob``); 0 bits keeps it raw.
 
 Other tensors without autograd history (input data, statistics such as attention's logsumexp,
-values computed under no_grad) stay raw: backward may feed them to exp(), which turns a
+values computed under no_grad) stay raw (the session remakes the logsumexp with fused attention's
+output where it remakes that output: ``daf.runtime.derived.DerivedStatistic``): backward may feed them to exp(), which turns a
 quantization step into a multiplicative error, and input batches are held by the caller anyway.
 """
 
@@ -84,11 +85,14 @@ class Encoding:
 @dataclass(frozen=True)
 class Remake:
     """How a save is remade in backward: ``function(*decoded records)``. ``bits``: the coarsest code width
-    among the records (32 for one kept raw), which bounds the remade tensor's error."""
+    among the records (32 for one kept raw), which bounds the remade tensor's error. ``with_statistic``:
+    ``function`` returns the tensor and a statistic that the same op saved beside it (fused attention's
+    logsumexp), remade together so that backward sees the two agree."""
 
     records: tuple[Any, ...]
-    function: Callable[..., torch.Tensor]
+    function: Callable[..., Any]
     bits: int
+    with_statistic: bool = False
 
 
 @dataclass(frozen=True)

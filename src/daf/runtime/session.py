@@ -19,11 +19,11 @@ from daf.codec import Codecs, Spec
 from daf.config import Config
 from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
-from daf.policy.exponent_guard import HEAD_INPUT_BITS, guarded_bits
+from daf.policy.exponent_guard import HEAD_INPUT_BITS, guarded_choice
 from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
-from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
+from daf.runtime.derived import Derived, DerivedActivation, DerivedAttention, DerivedProduct, DerivedStatistic
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
 from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, remake_from
 from daf.runtime.route import Context, Encoding, Kind, Remake, compressible, route
@@ -63,6 +63,9 @@ class Session:
         # Linear calls of this forward by their output's node: (node, weakref to the input, its version, weight,
         # bias), so that log-probabilities made from a head's output can be remade from its input (``_head_remake``)
         self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, int, torch.Tensor, torch.Tensor | None]] = {}
+        # Fused attention's logsumexp kept in a call still running, by the call: remade with the call's output
+        # if that is remade (autograd saves the logsumexp first). (call, record, its report row)
+        self._statistics: dict[int, tuple[OpCall, DerivedStatistic, int]] = {}
         # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
         # with it): the only nodes whose saves it reads (``_readable``).
         self._made_here: dict[int, Any] = {}
@@ -81,6 +84,7 @@ class Session:
         self._recent_remade: tuple[weakref.ref, torch.Tensor] | None = None
         # Which torch function is running, per thread (torch's function modes are per thread too).
         self._local = PerThreadStack()
+        self._why = threading.local()  # the reason behind the width _bits_for gave last on this thread
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -93,6 +97,7 @@ class Session:
         self._outputs.clear()
         self._remade.clear()
         self._linears.clear()
+        self._statistics.clear()
         self._made_here.clear()
         self._parameter_storages = parameter_storages(model)
         self.policy.on_forward_start(self.forwards)
@@ -106,6 +111,7 @@ class Session:
         self._outputs.clear()
         self._remade.clear()
         self._linears.clear()
+        self._statistics.clear()
         self._made_here.clear()
         self.accounting.end()
 
@@ -123,11 +129,15 @@ class Session:
         site = self.sites.next_site()
         op = self._current_op()
         context = self._context(site, tensor, op)
+        self._why.reason = ""
         encoding = route(tensor, context)
         saved, stored = self._keep(encoding, tensor, context)
-        row = self.accounting.add(site, tensor, encoding, stored)
+        why = self._why.reason if encoding.kind in (Kind.CODES, Kind.NONZEROS, Kind.RAW) else ""
+        row = self.accounting.add(site, tensor, encoding, stored, why)
         if isinstance(saved, Saved) and saved.pending is not None:
             saved.row = row  # its bytes are filled in when the background pack is collected
+        elif isinstance(saved, DerivedStatistic):
+            self._statistics[id(op)] = (op, saved, row)
         self._observe(op, encoding, site, tensor, saved)
         return saved
 
@@ -147,7 +157,10 @@ class Session:
             headed = any(isinstance(r, HeadInput) for r in remake.records)
             records = tuple(self._encode_head_input(r, context.site) if isinstance(r, HeadInput) else r
                             for r in remake.records)
-            derived = DerivedActivation(tensor, records, remake.function, context.site, Source(tensor), self.unpack)
+            kind = DerivedAttention if remake.with_statistic else DerivedActivation
+            derived = kind(tensor, records, remake.function, context.site, Source(tensor), self.unpack)
+            if remake.with_statistic:
+                self._remake_statistic(context.op, derived)
             if tensor.grad_fn is not None:
                 self._remade[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, derived)
             if headed:  # log-probabilities, saved again by cross_entropy's nll_loss: shared, not remade twice
@@ -158,7 +171,17 @@ class Session:
             return DerivedProduct(tensor, x, mask, context.site, Source(tensor), self.unpack), 0
         raw = encoding.kind is Kind.RAW
         channels_last = raw and restores_raw_channels_last(tensor, context.op, self.config.channels_last)
-        return Kept(tensor, context.site, channels_last), tensor.numel() * tensor.element_size() if raw else 0
+        kept = Kept(tensor, context.site, channels_last)
+        if raw and context.op is not None and context.op.is_attention_statistic(tensor):
+            kept = DerivedStatistic(kept)
+        return kept, tensor.numel() * tensor.element_size() if raw else 0
+
+    def _remake_statistic(self, op: OpCall | None, derived: DerivedAttention) -> None:
+        """The logsumexp this attention call kept is remade with its output from now on (and let go)."""
+        entry = self._statistics.pop(id(op), None)
+        if entry is not None and entry[0] is op:
+            entry[1].derive_from(derived)
+            self.accounting.fill(entry[2], entry[1].site, 0, kind="derived")
 
     def _context(self, site: str, tensor: torch.Tensor, op: OpCall | None) -> Context:
         parameter = is_parameter(tensor, self._parameter_storages)
@@ -217,7 +240,7 @@ class Session:
             mask = self._record_behind(attention.node, attention.mask_attribute)
             if mask is not _ABSENT:
                 records.append(mask)
-            return remake_from(records, attention.function)
+            return remake_from(records, attention.function, with_statistic=True)
         arguments = op.attention_arguments if op is not None else None
         probabilities = attention_map_of(tensor, *arguments) if arguments is not None else None
         if probabilities is None:
@@ -338,6 +361,8 @@ class Session:
             return torch.empty(0)
         if isinstance(saved, DerivedActivation):
             return self._remade_tensor(saved)
+        if isinstance(saved, DerivedStatistic):
+            return saved.unpack(self._remade_tensor)
         if isinstance(saved, (Kept, Derived, DerivedProduct)):
             return saved.unpack()
         saved.source.check(saved.site)
@@ -387,8 +412,11 @@ class Session:
         return trackers[-1].current if trackers else None
 
     def _bits_for(self, site: str, x: torch.Tensor, op: OpCall | None) -> int:
-        bits = guarded_bits(self.policy, site, x, op)
-        return max(bits, self.config.floor_for(op.name)) if bits and op is not None and self.config.floors else bits
+        bits, self._why.reason = guarded_choice(self.policy, site, x, op, self.config.rounding, self.config.group_size)
+        floor = self.config.floor_for(op.name) if bits and op is not None and self.config.floors else 0
+        if bits and floor > bits:  # a raw choice (0) stays raw
+            bits, self._why.reason = floor, f"floor for {op.name}"
+        return bits
 
     def _op_done(self, call: OpCall) -> None:
         self._mark_made_here(nodes_made_by(tensors_in((call.output,)), call.argument_nodes))

@@ -125,6 +125,27 @@ class OpCall:
                 return "values" if name == "value" else "logits"
         return None
 
+    def is_attention_statistic(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``, saved by this fused-attention call without history, has the shape of its
+        logsumexp (the query's without its last dimension), in float32."""
+        if self.func not in ATTENTION_FUNCTIONS or tensor.grad_fn is not None or tensor.dtype != torch.float32:
+            return False
+        query = self.kwargs.get("query", self.args[0] if self.args else None)
+        return isinstance(query, torch.Tensor) and tuple(tensor.shape) == tuple(query.shape[:-1])
+
+    @property
+    def attention_logits(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """``(query, key, scale)`` of an attention call: the operands of its logits and what their product
+        is multiplied by (the call's ``scale``, else 1 / sqrt(head size)); None for other calls."""
+        if self.func not in ATTENTION_FUNCTIONS:
+            return None
+        query = self.kwargs.get("query", self.args[0] if self.args else None)
+        key = self.kwargs.get("key", self.args[1] if len(self.args) > 1 else None)
+        if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)) or query.dim() == 0:
+            return None
+        scale = self.kwargs.get("scale", self.args[7] if len(self.args) > 7 else None)
+        return query, key, float(scale) if scale is not None else query.shape[-1] ** -0.5
+
     @property
     def attention_arguments(self) -> tuple[torch.Tensor | None, bool] | None:
         """``(attn_mask, is_causal)`` of an attention call (what its math path adds to the scores); None

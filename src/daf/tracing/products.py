@@ -247,7 +247,8 @@ _CPU_FLASH = "ScaledDotProductFlashAttentionForCpuBackward0"
 def attention_output_of(tensor: torch.Tensor) -> AttentionOutput | None:
     """Whether ``tensor`` is the output of the CPU fused-attention kernel without dropout, and the
     function that runs the kernel again (same causality and scale; the mask is read, like q, k and v,
-    from its record in backward: a decoded copy held from now on would cost its full size)."""
+    from its record in backward: a decoded copy held from now on would cost its full size). The function
+    returns the output and its logsumexp."""
     node = tensor.grad_fn
     if type(node).__name__ != _CPU_FLASH or tensor.output_nr != 0:
         return None
@@ -261,9 +262,12 @@ def attention_output_of(tensor: torch.Tensor) -> AttentionOutput | None:
 
 
 def _cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                         *, is_causal: bool, scale: float | None) -> torch.Tensor:
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+                         *, is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output and its logsumexp, both from the same (decoded) q and k: backward recomputes the
+    probabilities as exp(q k^T - logsumexp), which sum to one only when the two agree."""
+    output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+    return output, logsumexp
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,142 @@
+"""``daf.Auto``, the default policy: each save's width from what reads it in backward (a rule table), and
+what ``daf.wrap(model)`` with no other argument does to the widths and the gradient."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import daf
+from daf.policy.auto import AutoPolicy
+
+AUTO = daf.Auto()
+
+
+def _widths(model: nn.Module, x: torch.Tensor, **config) -> dict[str, int | None]:
+    daf.wrap(model, **config)
+    model(x).float().square().mean().backward()
+    rows = {row.site: row.bits for row in daf.report(model).rows if row.kind == "compressed"}
+    daf.unwrap(model)
+    return rows
+
+
+class Net(nn.Module):
+    """A convolution block, then a transformer-ish tail: a linear whose output goes through tanh and softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.proj = nn.Linear(16 * 8 * 8, 256)
+        self.head = nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x)))
+        y = torch.tanh(self.proj(h.flatten(1)))
+        return F.softmax(self.head(y), dim=-1) @ torch.ones(64, 8)
+
+
+def test_each_save_gets_the_width_of_its_rule():
+    torch.manual_seed(0)
+    widths = _widths(Net(), torch.randn(64, 3, 8, 8))
+    assert widths == {"bn#0": AUTO.feature_map_bits,  # batch norm's input, a feature map
+                      "proj#0": AUTO.bits,  # a linear's input, 2-D (ReLU's output, flattened)
+                      "<root>#1": AUTO.sensitive_bits,  # tanh's output (the head's linear shares it)
+                      "<root>#2": AUTO.sensitive_bits}  # softmax's probabilities
+
+
+@pytest.mark.parametrize("node, op, dim, field", [
+    ("TanhBackward0", "linear", 2, "sensitive_bits"),
+    ("SigmoidBackward0", "mul", 3, "sensitive_bits"),
+    ("SoftmaxBackward0", "matmul", 4, "sensitive_bits"),
+    ("ConvolutionBackward0", "batch_norm", 4, "feature_map_bits"),
+    ("ReluBackward0", "conv2d", 4, "feature_map_bits"),
+    ("ReluBackward0", "linear", 2, "bits"),
+    ("AddBackward0", "layer_norm", 3, "bits"),
+    ("NativeLayerNormBackward0", "linear", 3, "bits"),
+    ("ReluBackward0", "relu", 2, "bits"),  # a 2-D save is no feature map
+])
+def test_rule_table(node, op, dim, field):
+    x = _tensor_made_by(node, dim)
+    call = _Call(op)
+    assert AutoPolicy.rule(x, call) == field
+
+
+def test_config_widths_are_checked():
+    with pytest.raises(ValueError, match="Auto.feature_map_bits must be one of"):
+        daf.Auto(feature_map_bits=3)
+    assert AutoPolicy(daf.Auto(bits=8)).summary()["bits"] == 8
+
+
+def test_the_default_config_is_auto_and_a_width_asks_for_uniform_bits():
+    assert isinstance(daf.Config().policy, daf.Auto) and daf.Config().bits is None
+    assert isinstance(daf.Config(bits=2).policy, daf.Uniform) and daf.Config(bits=2).bits == 2
+    assert isinstance(daf.Config().replace(bits=4).policy, daf.Uniform)
+    assert daf.Config(policy=daf.Uniform()).bits == 2
+    with pytest.raises(ValueError, match="leave bits out"):
+        daf.Config(bits=4, policy=daf.Adaptive())
+    assert daf.Config.from_dict(daf.Config().to_dict()) == daf.Config()
+    assert daf.Config.from_dict(daf.Config(bits=4).to_dict()) == daf.Config(bits=4)
+
+
+def test_large_channels_get_the_outlier_split_and_plain_saves_do_not():
+    linear = nn.Linear(256, 256)
+    plain = torch.randn(64, 256)
+    large = plain.clone()
+    large[:, :2] *= 60
+    sizes = {}
+    for name, x in (("plain", plain), ("large", large)):  # a linear's input: the default's codec splits it
+        with daf.compress(linear, min_numel=1) as session:
+            loss = linear(x.requires_grad_() * 1.0).sum()
+        loss.backward()
+        sizes[name] = [row.stored_bytes for row in daf.report(session).rows if row.kind == "compressed"][0]
+    # the split keeps the two large channels exact: 64 x 2 float32 and their index beside the codes
+    assert sizes["large"] > sizes["plain"] + 64 * 2 * 4
+
+
+def test_wrap_alone_keeps_a_transformer_layer_gradient_with_large_norm_channels():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
+    with torch.no_grad():
+        for module in layer.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight[:2] *= 60
+    x = torch.randn(8, 64, 256)
+    reference = copy.deepcopy(layer)
+    reference(x).square().mean().backward()
+    daf.wrap(layer)
+    layer(x).square().mean().backward()
+    g = torch.cat([p.grad.flatten() for p in layer.parameters()])
+    g_ref = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    assert F.cosine_similarity(g, g_ref, dim=0) > 0.99
+
+
+def _tensor_made_by(node: str, dim: int) -> torch.Tensor:
+    shape = (2,) * dim
+    x = torch.randn(shape, requires_grad=True)
+    made = {"TanhBackward0": torch.tanh, "SigmoidBackward0": torch.sigmoid,
+            "SoftmaxBackward0": lambda t: torch.softmax(t, -1), "ReluBackward0": torch.relu,
+            "AddBackward0": lambda t: t + 1, "ConvolutionBackward0": None, "NativeLayerNormBackward0": None}[node]
+    if made is None:
+        made = (lambda t: F.layer_norm(t, t.shape[-1:])) if node == "NativeLayerNormBackward0" else _convolved
+    out = made(x)
+    assert type(out.grad_fn).__name__ == node
+    return out
+
+
+def _convolved(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 4:
+        return F.conv2d(t, torch.randn(2, 2, 1, 1))
+    return F.conv1d(t.unsqueeze(0), torch.randn(2, 2, 1)).squeeze(0)
+
+
+class _Call:
+    """What ``AutoPolicy.rule`` reads of a ``daf.tracing.OpCall``: its name and the fused-attention role."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def fused_attention_role(self, tensor: torch.Tensor) -> None:
+        return None
