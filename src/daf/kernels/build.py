@@ -145,7 +145,7 @@ def _build_here(isa: str, why_not: str) -> ModuleType:
     compiles. Raises ``_ToolMissing`` at once, not after a failed command, when the compiler or ninja is absent."""
     from torch.utils import cpp_extension
 
-    compiler = os.environ.get("CXX", "c++")
+    compiler = (os.environ.get("CXX") or "c++").split()[0]  # CXX may carry a launcher or flags ("ccache g++")
     if shutil.which(compiler) is None:
         raise _ToolMissing(f"{compiler} not found on PATH: install a C++ compiler (apt-get install g++) or set CXX")
     if not cpp_extension.is_ninja_available():
