@@ -79,7 +79,8 @@ def _extensions() -> dict:
     extensions = [CppExtension(name=f"daf.kernels._native_{isa}", sources=[str(KERNELS.relative_to(ROOT) / "csrc" / s)
                                                                             for s in build.SOURCES],
                                include_dirs=[str(KERNELS / "csrc")],
-                               extra_compile_args={"cxx": [*build.compile_flags(isa), "-g0"]}, extra_link_args=["-fopenmp"])
+                               extra_compile_args={"cxx": [*build.compile_flags(isa), "-g0"]},
+                               extra_link_args=["-fopenmp"])
                   for isa in _isas(build, choice)]
     return {"ext_modules": extensions, "cmdclass": {"build_ext": OptionalBuildExtension}} if extensions else {}
 

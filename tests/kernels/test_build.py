@@ -25,7 +25,7 @@ def test_status_says_loaded(extension):
 # What torch raises when the compiler fails: the failed command first, the compiler's own error further down.
 _TORCH_BUILD_ERROR = ("Error building extension 'daf_kernels_avx2': [1/2] c++ -MMD -MF bindings.o.d -O3 -fopenmp ...\n"
                       "FAILED: bindings.o\nc++ -MMD -MF bindings.o.d ...\n"
-                      "/src/daf/kernels/csrc/bindings.cpp:7:10: fatal error: pybind11/pybind11.h: No such file or directory\n"
+                      "/src/daf/kernels/csrc/bindings.cpp:7:10: fatal error: pybind11/pybind11.h: No such file\n"
                       "compilation terminated.\nninja: build stopped: subcommand failed.")
 
 
@@ -49,7 +49,7 @@ def test_failed_build_says_it_was_building_then_the_compiler_error(monkeypatch, 
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
     monkeypatch.setenv("CXX", sys.executable)  # a program that exists: the build itself fails
     result, warned = _load_here(monkeypatch, tmp_path)
-    cause = "RuntimeError: /src/daf/kernels/csrc/bindings.cpp:7:10: fatal error: pybind11/pybind11.h: No such file or directory"
+    cause = "RuntimeError: /src/daf/kernels/csrc/bindings.cpp:7:10: fatal error: pybind11/pybind11.h: No such file"
     assert result.module is None and result.status == f"not loaded: {cause}"
     assert warned == [f"DAF native kernels unavailable, using the reference codec ({cause})"]
     notice = capsys.readouterr().err.strip().splitlines()

@@ -36,11 +36,13 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: Any = None) -> argparse.Namespace:
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             chosen = self._chosen_chain(parsed)
-            chosen[-1].error(_unrecognized(extras, [flag for parser in chosen for flag in parser._option_string_actions]))
+            known = [flag for parser in chosen for flag in parser._option_string_actions]
+            chosen[-1].error(_unrecognized(extras, known))
         return parsed
 
     def _chosen_chain(self, parsed: argparse.Namespace) -> list[argparse.ArgumentParser]:

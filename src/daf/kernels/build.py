@@ -117,7 +117,8 @@ def load_extension() -> Extension:
         warnings.warn(f"DAF native kernels unavailable, using the reference codec ({reason})",
                       RuntimeWarning, stacklevel=2)
         return Extension(None, f"not loaded: {reason}")
-    return Extension(module, f"loaded ({module.build_info()}; {origin}; {platform.machine()}, torch {torch.__version__})")
+    where = f"{platform.machine()}, torch {torch.__version__}"
+    return Extension(module, f"loaded ({module.build_info()}; {origin}; {where})")
 
 
 def _prebuilt(isa: str) -> tuple[ModuleType | None, str]:

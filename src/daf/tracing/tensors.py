@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from daf.format import dense_order
 
-__all__ = ["TensorTable", "tensor_key", "storage_addresses", "parameter_storages", "is_parameter", "cast_of_parameter", "parameter_of_cast",
-           "frozen_parameter_of_cast", "made_in_call", "is_dense"]
+__all__ = ["TensorTable", "tensor_key", "storage_addresses", "shares_storage", "parameter_storages", "is_parameter",
+           "cast_of_parameter", "parameter_of_cast", "frozen_parameter_of_cast", "made_in_call", "is_dense"]
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
