@@ -1,4 +1,4 @@
-"""DAF's native kernels, compiled into the wheel when torch is importable at build time.
+"""DAF's native kernels and allocator shim, compiled into the wheel when torch is importable at build time.
 
 pyproject.toml holds the metadata; this file only adds the extensions. Building them needs torch, so
 install torch first and build without isolation (``scripts/setup.sh``)::
@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parent
 KERNELS = ROOT / "src" / "daf" / "kernels"
 
 
-def _build_module():
-    """``daf/kernels/build.py`` alone (importing ``daf`` would import all of DAF): the flags and the build
-    key the run-time loader checks come from the same code."""
-    spec = importlib.util.spec_from_file_location("_daf_kernels_build", KERNELS / "build.py")
+def _load_alone(name: str, path: Path):
+    """A module of DAF by its file (importing ``daf`` would import all of DAF): the flags and the build key
+    the run-time loader checks come from the same code."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
@@ -64,7 +64,8 @@ def _extensions() -> dict:
         _say("torch is not importable at build time (an isolated build?): no kernels in this wheel; they are "
              "built on first use (install torch first, then pip install --no-build-isolation)")
         return {}
-    build = _build_module()
+    build = _load_alone("_daf_kernels_build", KERNELS / "build.py")
+    shim = _load_alone("_daf_allocator_shim", ROOT / "src" / "daf" / "allocator" / "shim.py")
 
     class OptionalBuildExtension(BuildExtension):
         """A kernel that does not compile leaves the wheel without it (built on first use), never fails the install."""
@@ -82,6 +83,9 @@ def _extensions() -> dict:
                                extra_compile_args={"cxx": [*build.compile_flags(isa), "-g0"]},
                                extra_link_args=["-fopenmp"])
                   for isa in _isas(build, choice)]
+    if extensions:  # the allocator's shim: a plain library (loaded with ctypes) that links against c10
+        extensions.append(CppExtension(name="daf.allocator._shim", sources=[str(shim.SOURCE.relative_to(ROOT))],
+                                       extra_compile_args={"cxx": [*shim.compile_flags(), "-g0"]}))
     return {"ext_modules": extensions, "cmdclass": {"build_ext": OptionalBuildExtension}} if extensions else {}
 
 

@@ -5,11 +5,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import pytest
 import torch
 
 import daf
 import daf.allocator
+from daf.allocator import shim
 from daf.allocator.libraries import find_library
 
 
@@ -48,3 +51,23 @@ def test_report_names_the_allocator_in_use():
     assert report.sections["allocator"] == {"name": current.name, "mode": current.mode}
     assert f"allocator: name={current.name}, mode={current.mode}" in str(report)
     assert report.to_dict()["sections"]["allocator"]["name"] == current.name
+
+
+@pytest.mark.skipif(shim.installed_path() is None or find_library("tcmalloc") is None,
+                    reason="no shim built at install (pip install --no-build-isolation), or no tcmalloc")
+def test_the_shim_built_at_install_serves_without_a_compiler_or_a_cache(tmp_path):
+    cache = tmp_path / "extensions"
+    cache.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CXX")}
+    env.update(PATH=str(tmp_path), TORCH_EXTENSIONS_DIR=str(cache), PYTHONPATH=str(Path(daf.__file__).parents[1]))
+    code = "import daf.allocator; print(daf.allocator.install().mode)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "in-process" and list(cache.iterdir()) == [], done.stderr[-2000:]
+
+
+def test_a_shim_built_from_other_sources_is_not_used(monkeypatch):
+    if shim.installed_path() is None:
+        monkeypatch.setattr(shim, "installed_path", lambda: Path("/nonexistent/_shim.so"))
+    monkeypatch.setattr(shim, "build_key", lambda: "k0000000000000000")
+    assert daf.allocator.native._installed_library() is None
