@@ -102,7 +102,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="resnet18-fmnist,minilm-tweets")
     parser.add_argument("--batch", type=int, default=32, help="batch of every workload (default 32)")
     parser.add_argument("--resnet-batch", type=int, default=None, help="batch of resnet18-fmnist (e.g. 128)")

@@ -92,7 +92,7 @@ def table(results: dict[str, dict], window: int = 20) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--width", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32)

@@ -222,7 +222,7 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("resnet", "minilm", "smollm", "both"), default="both",
                         help="both: resnet and minilm")
     parser.add_argument("--steps", type=int, default=20)

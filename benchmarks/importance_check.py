@@ -89,7 +89,7 @@ def run(width: int = 16, batch: int = 32, bits: int = 2, seeds: int = 2, average
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seeds", type=int, default=2)

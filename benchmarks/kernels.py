@@ -384,7 +384,7 @@ def print_row(row: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--large", action="store_true", help="add 512 MB (about 2 GiB of RAM at peak)")
     parser.add_argument("--no-reference", action="store_true")

@@ -65,7 +65,7 @@ def summary(steps: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="resnet18-fmnist")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=8)

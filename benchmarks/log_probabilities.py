@@ -36,7 +36,7 @@ def _backward(log_probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seeds", type=int, default=3, help="rounding seeds per form")
     parser.add_argument("--json")

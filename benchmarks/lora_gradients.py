@@ -107,7 +107,7 @@ def measure(workload_name: str, methods: list[str], codec: str, batch: int, batc
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="minilm-tweets", choices=("minilm-tweets", "smollm-lora"))
     parser.add_argument("--methods", default="u2,u4,all8," + ",".join(f"{k}2" for k in KINDS))
     parser.add_argument("--codec", default="outliers-derivatives", choices=tuple(CODECS))

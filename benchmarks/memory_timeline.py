@@ -105,7 +105,7 @@ def summarize(fp32: dict[str, Any], compressed: dict[str, Any], top: int = 6) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="resnet18-fmnist")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--bits", type=int)

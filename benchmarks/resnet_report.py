@@ -24,7 +24,7 @@ def run(bits: int = 2, batch: int = 64, group_size: int = 256) -> daf.Report:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--bits", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--group-size", type=int, default=256)

@@ -54,7 +54,7 @@ def measure(workload_name: str, batch: int, steps: int, fp32: bool, release: boo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="resnet18-fmnist")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)

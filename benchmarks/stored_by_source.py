@@ -38,7 +38,7 @@ def _floors(text: str) -> dict[str, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="smollm-lora")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--codec", choices=sorted(_CODECS), default="outliers")

@@ -318,7 +318,7 @@ def noise_table(results: dict[str, dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--archs", default="gpt2,bert,t5,llama,vit,convnext",
                         help="of gpt2,bert,t5,llama,vit,convnext (random init) and smollm-lora, minilm-tweets")
     parser.add_argument("--pretrained-batch", type=int, default=8)

@@ -23,7 +23,7 @@ from transformer_configs import CONFIGS  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("smollm", "minilm"), default="smollm")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--replan-every", type=int, default=10)

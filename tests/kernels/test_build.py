@@ -1,6 +1,12 @@
 """Loading the kernels: status, one warning on a failed build, backend selection."""
 
+import importlib.util
+import os
+import subprocess
+import sys
+import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,19 +22,84 @@ def test_status_says_loaded(extension):
     assert native_backend() is not native_backend()  # one object (and autotuner) per caller
 
 
-def test_failed_build_warns_once_and_reports_why(monkeypatch):
+# What torch raises when the compiler fails: the failed command first, the compiler's own error further down.
+_TORCH_BUILD_ERROR = ("Error building extension 'daf_kernels_avx2': [1/2] c++ -MMD -MF bindings.o.d -O3 -fopenmp ...\n"
+                      "FAILED: bindings.o\nc++ -MMD -MF bindings.o.d ...\n"
+                      "/src/daf/kernels/csrc/bindings.cpp:7:10: fatal error: pybind11/pybind11.h: No such file\n"
+                      "compilation terminated.\nninja: build stopped: subcommand failed.")
+
+
+def _load_here(monkeypatch, tmp_path):
+    """``load_extension`` uncached, ignoring kernels built at install, with an empty extension cache."""
+    monkeypatch.setenv(build.PREBUILT_ENV, "0")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = build.load_extension.__wrapped__()
+    return result, [str(w.message) for w in caught if "DAF native kernels" in str(w.message)]
+
+
+def test_failed_build_says_it_was_building_then_the_compiler_error(monkeypatch, tmp_path, capsys):
     from torch.utils import cpp_extension
 
     def broken(*args, **kwargs):
-        raise RuntimeError("no compiler here\nlong log")
+        raise RuntimeError(_TORCH_BUILD_ERROR)
 
     monkeypatch.setattr(cpp_extension, "load", broken)
-    uncached = build.load_extension.__wrapped__
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = uncached()
-    assert result.module is None and result.status == "not loaded: RuntimeError: no compiler here"
-    assert len(caught) == 1 and "using the reference codec" in str(caught[0].message)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setenv("CXX", sys.executable)  # a program that exists: the build itself fails
+    result, warned = _load_here(monkeypatch, tmp_path)
+    cause = "RuntimeError: /src/daf/kernels/csrc/bindings.cpp:7:10: fatal error: pybind11/pybind11.h: No such file"
+    assert result.module is None and result.status == f"not loaded: {cause}"
+    assert warned == [f"DAF native kernels unavailable, using the reference codec ({cause})"]
+    notice = capsys.readouterr().err.strip().splitlines()
+    assert len(notice) == 1 and notice[0].startswith("DAF: building the native kernels for this CPU (")
+    assert "about 30 s, once (DAF_PREBUILT_KERNELS=0)" in notice[0]
+
+
+def test_a_missing_compiler_is_named_without_running_a_build(monkeypatch, tmp_path, capsys):
+    from torch.utils import cpp_extension
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("built without a compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", must_not_run)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no c++
+    monkeypatch.delenv("CXX", raising=False)
+    result, warned = _load_here(monkeypatch, tmp_path)
+    assert result.status == "not loaded: c++ not found on PATH: install a C++ compiler (apt-get install g++) or set CXX"
+    assert len(warned) == 1 and "c++ not found on PATH" in warned[0]
+    assert "building" not in capsys.readouterr().err
+
+
+def test_kernels_built_for_other_sources_are_not_used(monkeypatch):
+    stale = types.SimpleNamespace(build_key=lambda: "k0000000000000000")
+    monkeypatch.setattr(build.importlib, "import_module", lambda name: stale)
+    monkeypatch.delenv(build.PREBUILT_ENV, raising=False)
+    module, why = build._prebuilt("avx2")
+    assert module is None and why == "the avx2 kernels built at install are for other sources or another torch"
+
+
+def test_the_loaded_kernels_carry_the_build_key_of_these_sources(extension):
+    isa = build.isa_name(torch.backends.cpu.get_cpu_capability())
+    assert extension.build_key() == build.build_key(isa)
+
+
+_INSTALLED = build.isa_name(torch.backends.cpu.get_cpu_capability())
+
+
+@pytest.mark.skipif(importlib.util.find_spec(f"daf.kernels._native_{_INSTALLED}") is None,
+                    reason="no kernels were built at install (pip install --no-build-isolation; scripts/setup.sh)")
+def test_kernels_built_at_install_load_without_a_compiler_or_a_cache(tmp_path):
+    cache = tmp_path / "extensions"
+    cache.mkdir()
+    env = {key: value for key, value in os.environ.items() if key not in ("CXX", build.PREBUILT_ENV)}
+    env.update(PATH=str(tmp_path), TORCH_EXTENSIONS_DIR=str(cache), PYTHONPATH=str(Path(daf.__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", "import daf; print(daf.native_status())"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"loaded ({_INSTALLED}") and "built at install" in done.stdout, done.stdout
+    assert list(cache.iterdir()) == [] and "building" not in done.stderr
 
 
 def test_simd_flags_follow_the_cpu_capability():

@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from daf.allocator import shim
 from daf.allocator.libraries import ALLOCATORS, resolve
 
 __all__ = ["AllocatorStatus", "TensorBytes", "install", "status", "preloaded", "tensor_bytes", "release_free_memory",
@@ -26,7 +27,7 @@ _HUGE_PAGES_FROM = 2 << 20  # PyTorch's threshold for the same advice
 # Tensors from this size on are DAF's large blocks (csrc/allocator.cpp): a step's full-size tensors.
 LARGE_BLOCKS_FROM = 8 << 20
 
-SOURCE = Path(__file__).with_name("csrc") / "allocator.cpp"
+SOURCE = shim.SOURCE
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,15 @@ def preloaded() -> AllocatorStatus | None:
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    """The compiled shim, built on first use into torch's extension cache (a few seconds)."""
-    from torch.utils import cpp_extension
+    """The compiled shim: the one built at install when it matches these sources and this torch, else
+    built on first use into torch's extension cache (a few seconds; ``daf.allocator.shim``)."""
+    library = _installed_library()
+    if library is None:
+        from torch.utils import cpp_extension
 
-    path = cpp_extension.load(name="daf_allocator", sources=[str(SOURCE)], extra_cflags=["-O2"],
-                              is_python_module=False, verbose=False)
-    library = ctypes.CDLL(path)
+        path = cpp_extension.load(name=f"daf_allocator_{shim.build_key()}", sources=[str(SOURCE)],
+                                  extra_cflags=shim.compile_flags(), is_python_module=False, verbose=False)
+        library = ctypes.CDLL(path)
     library.daf_allocator_install.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
     library.daf_allocator_install.restype = ctypes.c_int
     library.daf_allocator_path.restype = ctypes.c_char_p
@@ -82,6 +86,21 @@ def _library() -> ctypes.CDLL:
         counter.restype = ctypes.c_uint64
     library.daf_allocator_huge_pages_from.restype = ctypes.c_size_t
     return library
+
+
+def _installed_library() -> ctypes.CDLL | None:
+    """The shim built at install, if it was built from this source for this torch (else None: it is built
+    here). A library that does not load (another torch's) counts as none."""
+    path = shim.installed_path()
+    if path is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(path))
+        library.daf_allocator_build_key.restype = ctypes.c_char_p
+        key = library.daf_allocator_build_key().decode()
+    except (OSError, AttributeError):
+        return None
+    return library if key == shim.build_key() else None
 
 
 @functools.cache

@@ -7,7 +7,7 @@ from daf.bench import memory, overhead
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="daf bench")
+    parser = argparse.ArgumentParser(prog="daf bench", allow_abbrev=False)
     commands = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     memory.add_arguments(commands.add_parser("memory", help="the largest batch that trains under a RAM cap"))
     overhead.add_arguments(commands.add_parser("overhead", help="where a DAF step's extra time goes"))

@@ -235,6 +235,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m daf.bench overhead")
+    parser = argparse.ArgumentParser(prog="python -m daf.bench overhead", allow_abbrev=False)
     add_arguments(parser)
     return run(parser.parse_args(argv))

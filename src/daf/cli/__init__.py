@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
+from daf.cli.arguments import Parser
 from daf.config import ALLOWED_BITS, GENERIC_MODES, Adaptive, Config, Division, MinMax, Outliers
 
 __all__ = ["main", "entry", "build_parser"]
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``daf``."""
     from daf import __version__
     from daf.workloads import names
-    parser = argparse.ArgumentParser(prog="daf", description=__doc__.splitlines()[0])
+    parser = Parser(prog="daf", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"daf {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("workloads", help="list the workloads")

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from daf.policy.sampling import batched_rounding_variance, group_sample, rounding_variance, strided_sample
-from daf.tracing import OpCall, is_parameter
+from daf.tracing import OpCall, is_parameter, shares_storage
 
 __all__ = ["rounding_variance", "ImportanceEstimator", "SiteStats", "MATMUL_FUNCTIONS", "COMPOUNDING"]
 
@@ -397,8 +397,8 @@ def _first_tensor(output: Any) -> torch.Tensor | None:
 
 def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except RuntimeError:
+        return shares_storage(a, b)
+    except RuntimeError:  # a tensor without readable storage (a fake or meta one)
         return False
 
 

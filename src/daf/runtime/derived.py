@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
+from daf.tracing import storage_addresses
+
 __all__ = ["Derived", "DerivedProduct", "DerivedActivation", "DerivedAttention", "DerivedStatistic"]
 
 
@@ -38,7 +40,7 @@ class Derived:
 
     def __init__(self, tensor: torch.Tensor, parameter: torch.Tensor, site: str, source: _VersionCheck) -> None:
         self.parameter, self.version = parameter, parameter._version
-        self.storage = parameter.untyped_storage().data_ptr()
+        self.storage = storage_addresses(parameter)
         self.view = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
         self.dtype, self.device, self.site, self.source = tensor.dtype, tensor.device, site, source
 
@@ -55,7 +57,7 @@ class Derived:
         parameter = self.parameter
         if parameter._version != self.version:
             what = f"was modified in place (version {parameter._version}, {self.version} at forward)"
-        elif parameter.untyped_storage().data_ptr() != self.storage:
+        elif storage_addresses(parameter) != self.storage:
             what = "was given new data (parameter.data = ... or set_) since forward"
         else:
             return

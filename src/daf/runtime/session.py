@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from daf.allocator import status as allocator_status
 from daf.codec import Codecs, Spec
 from daf.config import Config
 from daf.memory import Store, make_store
@@ -453,7 +454,9 @@ class Session:
         """Figures of the last finished forward."""
         sections = {"policy": self.policy.summary(), "store": self.store.stats(),
                     "codec": {"codec": self.codecs.name, "group_size": self.config.group_size,
-                              "rounding": self.config.rounding}}
+                              "rounding": self.config.rounding},
+                    # The process's RSS depends on it as much as on DAF (docs/allocator.md): say which it is.
+                    "allocator": _allocator_section()}
         return self.accounting.report(sections, self.forwards - 1 if self.forwards else None)
 
     def close(self) -> None:
@@ -506,3 +509,10 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return x ^ (x >> 31)
+
+
+def _allocator_section() -> dict[str, str]:
+    """The report's allocator line: which library PyTorch's CPU tensors come from, and how it got there
+    ("in-process", "preloaded" or "system"). A few microseconds (it reads /proc/self/maps)."""
+    current = allocator_status()
+    return {"name": current.name, "mode": current.mode}

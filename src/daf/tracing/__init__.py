@@ -13,9 +13,9 @@ from daf.tracing.products import (ActivationOutput, AttentionOutput, MaskedProdu
                                   normalized_output_of, rms_normalized_output_of)
 from daf.tracing.sites import SiteTracker
 from daf.tracing.tensors import (TensorTable, cast_of_parameter, frozen_parameter_of_cast, is_parameter, made_in_call,
-                                 parameter_of_cast, parameter_storages, tensor_key)
+                                 parameter_of_cast, parameter_storages, shares_storage, storage_addresses, tensor_key)
 
-__all__ = ["OpCall", "OpTracker", "SiteTracker", "TensorTable", "tensor_key", "is_parameter", "parameter_storages", "cast_of_parameter",
+__all__ = ["OpCall", "OpTracker", "SiteTracker", "TensorTable", "tensor_key", "is_parameter", "parameter_storages", "storage_addresses", "shares_storage", "cast_of_parameter",
            "parameter_of_cast", "frozen_parameter_of_cast", "made_in_call",
            "RELU_FUNCTIONS", "ATTENTION_FUNCTIONS", "MaskedProduct", "masked_product_of", "ActivationOutput",
            "activation_output_of", "normalized_output_of", "rms_normalized_output_of", "AttentionOutput",

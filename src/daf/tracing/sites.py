@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from daf.tracing.threads import PerThreadStack
+from daf.tracing.tensors import storage_addresses
 
 __all__ = ["SiteTracker"]
 
@@ -46,7 +47,7 @@ class SiteTracker:
     def made_in_forward(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (or what it views) was returned, without autograd history, by a submodule in
         this forward."""
-        return bool(self.made) and tensor.untyped_storage().data_ptr() in self.made
+        return bool(self.made) and not self.made.isdisjoint(storage_addresses(tensor))
 
     def _note(self, args: tuple, output: Any) -> None:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved for backward
@@ -54,7 +55,7 @@ class SiteTracker:
         for value in output if isinstance(output, (tuple, list)) else (output,):
             if (isinstance(value, torch.Tensor) and value.grad_fn is None and value.is_floating_point()
                     and not value.requires_grad and not any(value is a for a in args)):  # an identity returns the input
-                self.made.add(value.untyped_storage().data_ptr())
+                self.made.update(storage_addresses(value) - {0})
 
     def next_site(self) -> str:
         path = self._stack[-1] if self._stack else ROOT

@@ -11,11 +11,12 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from daf.format import dense_order
 
-__all__ = ["TensorTable", "tensor_key", "parameter_storages", "is_parameter", "cast_of_parameter", "parameter_of_cast",
-           "frozen_parameter_of_cast", "made_in_call", "is_dense"]
+__all__ = ["TensorTable", "tensor_key", "storage_addresses", "shares_storage", "parameter_storages", "is_parameter",
+           "cast_of_parameter", "parameter_of_cast", "frozen_parameter_of_cast", "made_in_call", "is_dense"]
 
 
 def tensor_key(tensor: torch.Tensor) -> tuple:
@@ -45,19 +46,51 @@ class TensorTable:
         self._entries.clear()
 
 
+def storage_addresses(tensor: torch.Tensor) -> frozenset[int]:
+    """The addresses of the storages that hold ``tensor``'s elements: its own storage's, or for a wrapper
+    subclass the wrapped tensors' (a DTensor, such as FSDP2's sharded parameters, has no storage of its own:
+    reading it raises "invalid python storage"; its local shard has one). 0 for a storage freed or
+    resized to nothing (FSDP2's unsharded parameters between uses), which holds no element. O(1) per
+    wrapped tensor."""
+    if is_traceable_wrapper_subclass(tensor):
+        inner = [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]  # DTensor's lists its mesh too
+        return frozenset().union(*(storage_addresses(t) for t in inner if isinstance(t, torch.Tensor)))
+    return frozenset((tensor.untyped_storage().data_ptr(),))
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold elements in one storage (views of one tensor, or one tensor). O(1)."""
+    return not storage_addresses(a).isdisjoint(storage_addresses(b) - {0})
+
+
 def parameter_storages(model: torch.nn.Module | None) -> set[int]:
-    """The storage addresses of ``model``'s parameters and buffers (empty for None)."""
+    """The storage addresses of ``model``'s parameters and buffers (empty for None); for DTensor parameters
+    (FSDP2) those of their local shards. Never 0: an empty storage must not make every empty tensor one."""
     if model is None:
         return set()
-    return {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    return set().union(*(storage_addresses(t) for t in [*model.parameters(), *model.buffers()])) - {0}
 
 
 def is_parameter(tensor: torch.Tensor, storages: set[int] = frozenset()) -> bool:
-    """A parameter, a leaf that requires grad, or a view of a tensor in ``storages``
+    """A parameter (a DTensor one too), a leaf that requires grad, or a view of a tensor in ``storages``
     (``parameter_storages``): autograd keeps it alive anyway, so saving it costs nothing."""
     if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
         return True
-    return bool(storages) and tensor.untyped_storage().data_ptr() in storages
+    return (bool(storages) and not storages.isdisjoint(storage_addresses(tensor))) or _view_of_leaf(tensor)
+
+
+def _view_of_leaf(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view (a transpose for a matmul) of a leaf that requires grad, found through
+    autograd rather than by address: FSDP2 gathers a parameter into a storage allocated after the forward
+    began (so ``parameter_storages`` cannot know it) and frees it after. O(a few nodes)."""
+    node = tensor.grad_fn
+    for _ in range(_MAX_COPIES):
+        if node is None or len(node.next_functions) != 1:
+            return False
+        node = node.next_functions[0][0]
+        if node is not None and type(node).__name__ == "AccumulateGrad":
+            return shares_storage(tensor, node.variable)  # a view, not a copy (a clone holds its own storage)
+    return False
 
 
 # Nodes that only copy, cast or re-view their one input: what autocast makes of a weight.
@@ -148,9 +181,8 @@ def made_in_call(tensor: torch.Tensor, args: list[torch.Tensor]) -> bool:
     reshaped operand, autocast's cast of an input): no argument shares its memory, so nobody but autograd
     holds it. Not when it has the size of a parameter argument: that may be a weight's copy, never
     quantized (``frozen_parameter_of_cast`` derives the ones it can prove)."""
-    storage = tensor.untyped_storage().data_ptr()
-    return all(a.untyped_storage().data_ptr() != storage and not (isinstance(a, torch.nn.Parameter)
-                                                                  and a.numel() == tensor.numel()) for a in args)
+    return all(not shares_storage(a, tensor) and not (isinstance(a, torch.nn.Parameter) and a.numel() == tensor.numel())
+               for a in args)
 
 
 def _samples_agree(copy: torch.Tensor, parameter: torch.Tensor, count: int = 16) -> bool:

@@ -328,6 +328,15 @@ void set_error(char* error, size_t size, const std::string& text) {
 
 extern "C" {
 
+// The digest of this file, the flags and torch's version it was built from (-DDAF_BUILD_KEY=k...,
+// daf/allocator/shim.py): a shim built at install is used only while that still holds.
+#define DAF_STRINGIFY2(x) #x
+#define DAF_STRINGIFY(x) DAF_STRINGIFY2(x)
+#ifndef DAF_BUILD_KEY
+#define DAF_BUILD_KEY unknown
+#endif
+const char* daf_allocator_build_key() { return DAF_STRINGIFY(DAF_BUILD_KEY); }
+
 // Opens the library, checks that it allocates and frees, and makes it PyTorch's CPU allocator.
 // Returns 0 on success (also when the same library is installed already), else 1 with a sentence
 // in `error`. Never aborts: a library that cannot be opened leaves the system allocator in place.

@@ -260,6 +260,17 @@ void column_absmax(int64_t m, int64_t rows, int64_t cols, int64_t out) {
   columns::absmax(at_address<const float>(m), rows, cols, at_address<float>(out));
 }
 
+// The digest of csrc/, the flags and torch's version at build time (-DDAF_BUILD_KEY=k..., build.py's
+// build_key): kernels built at install are used only while that still holds (an editable checkout may
+// have changed the sources since, or another torch been installed).
+#define DAF_STRINGIFY2(x) #x
+#define DAF_STRINGIFY(x) DAF_STRINGIFY2(x)
+#ifndef DAF_BUILD_KEY
+#define DAF_BUILD_KEY unknown
+#endif
+
+std::string build_key() { return DAF_STRINGIFY(DAF_BUILD_KEY); }
+
 std::string build_info() {
 #if defined(CPU_CAPABILITY_AVX512)
   const char* isa = "avx512";
@@ -307,4 +318,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("mask_unit", []() { return daf::masks::kUnit; });
   m.def("build_info", &daf::build_info);
+  m.def("build_key", &daf::build_key);
 }
