@@ -42,17 +42,34 @@ def _no_attachment() -> None:
     return None
 
 
+def _run_while_tracing(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``method`` as ``torch.compiler.assume_constant_result`` does: dynamo then runs it once, for real,
+    while it traces, and puts its result in the graph as a constant (no graph break, no op). Set by hand
+    because that function imports dynamo, seconds at ``import daf``; ``tests/test_compile.py`` checks
+    that the mark is the one it sets, and that tracing a wrapped model breaks no graph."""
+    method._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return method
+
+
 class _Hook:
     """One of DAF's forward hooks on one module. A copy of the model (``copy.deepcopy``, pickle,
     ``torch.save``) gets ``_inert_hook`` in its place: the hook reaches the session, whose threads,
-    locks and store cannot be copied, and the copy comes back unwrapped (``_Attachment.__reduce__``)."""
+    locks and store cannot be copied, and the copy comes back unwrapped (``_Attachment.__reduce__``).
 
-    __slots__ = ("call",)
+    While dynamo traces the module (``torch.compile``, either order, or a compiled part of the tree) the
+    hook does nothing but ``traced()``: what it does eagerly (Python state, ``warnings``, reading
+    ``grad_fn``) would break the user's graph, and a compiled graph's saves never reach DAF anyway."""
 
-    def __init__(self, call: Callable[..., None]) -> None:
+    __slots__ = ("call", "traced")
+
+    def __init__(self, call: Callable[..., None], traced: Callable[[], bool]) -> None:
         self.call = call
+        self.traced = traced
 
     def __call__(self, *args: Any) -> None:
+        if torch.compiler.is_compiling():
+            self.traced()
+            return
         self.call(*args)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
@@ -94,8 +111,8 @@ class _Attachment:
         for path, module in model.named_modules():
             enter = self.session.sites.enter(path) if path else None
             leave = self.session.sites.leave(path) if path else None
-            handles.append(module.register_forward_pre_hook(_Hook(functools.partial(self._begin, enter))))
-            handles.append(module.register_forward_hook(_Hook(functools.partial(self._end, leave)),
+            handles.append(module.register_forward_pre_hook(_Hook(functools.partial(self._begin, enter), self._traced)))
+            handles.append(module.register_forward_hook(_Hook(functools.partial(self._end, leave), self._traced),
                                                         always_call=True))
         return handles
 
@@ -119,10 +136,7 @@ class _Attachment:
 
     def _begin(self, enter: Callable[..., None] | None, module: nn.Module, args: Any) -> None:
         contexts = self._contexts
-        if torch.compiler.is_compiling():
-            self._warn_compiled()
-            contexts.append(None)
-        elif contexts or not self._active(module) or id(module) in self._compiled:
+        if contexts or not self._active(module) or id(module) in self._compiled:
             if not contexts and not module.training and self._builds_graph():  # eval() with grad
                 self._warn_eval()
             contexts.append(None)  # nested in a forward of the tree (or inactive): the outermost decides
@@ -167,10 +181,13 @@ class _Attachment:
             self._warned_eval = True
             warnings.warn(EVAL_WARNING, stacklevel=3)
 
-    def _warn_compiled(self) -> None:
+    @_run_while_tracing
+    def _traced(self) -> bool:
+        """Run by dynamo while it traces a hook of this tree (never at run time): warns once per model."""
         if not self._warned_compile:
             self._warned_compile = True
-            warnings.warn(COMPILED_WARNING.format(what="this model runs under torch.compile"), stacklevel=2)
+            warnings.warn(COMPILED_WARNING.format(what="this model runs under torch.compile"), stacklevel=1)
+        return True
 
     def detach(self) -> None:
         """Remove the hooks and close the session; records already stored stay readable for a backward
