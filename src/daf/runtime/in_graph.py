@@ -43,7 +43,8 @@ def in_graph_hooks(config: Config) -> torch.autograd.graph.saved_tensors_hooks:
     (``daf.format.payload_bytes(numel, 8, group_size)`` bytes); other saves are kept as they are. Run
     eagerly (a graph break inside the compiled module), the same hooks pack the eager saves.
     """
-    import daf.kernels.ops  # noqa: F401  registers torch.ops.daf (cheap once torch.compile has run)
+    import daf.kernels.mask_ops  # noqa: F401  register torch.ops.daf (cheap once torch.compile has run)
+    import daf.kernels.ops  # noqa: F401
 
     pack, unpack = _codec(config.group_size, config.min_numel)
     return torch.autograd.graph.saved_tensors_hooks(_graph_of(pack), _graph_of(unpack))
@@ -51,27 +52,76 @@ def in_graph_hooks(config: Config) -> torch.autograd.graph.saved_tensors_hooks:
 
 def _codec(group_size: int, min_numel: int) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
     """(pack, unpack) as plain functions: AOTAutograd traces them on each saved value's fake tensor, so their
-    Python branches (dtype, size, layout) are decided once per save at compile time."""
+    Python branches (dtype, size, layout, who reads the save) are decided once per save at compile time.
+    A packed save is ``(form, payload, sign bits, shape, order, dtype)``, ``form`` one of ``_FORMS``."""
 
     def daf_pack(x: torch.Tensor) -> Any:
         order = dense_order(x)
         if not x.dtype.is_floating_point or x.numel() < min_numel or order is None:
             return x
         flat = x.permute(order).reshape(-1)
-        payload, _ = torch.ops.daf.format1_encode(flat, IN_GRAPH_BITS, group_size, False, 0)
-        return payload, tuple(x.shape), order, x.dtype
+        form = _form(_backward_readers())
+        payload = None if form == "sign" else torch.ops.daf.format1_encode(flat, IN_GRAPH_BITS, group_size, False, 0)[0]
+        sign = None if form == "codes" else torch.ops.daf.relu_mask_encode(flat)
+        return form, payload, sign, tuple(x.shape), order, x.dtype
 
     def daf_unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        payload, shape, order, dtype = packed
+        form, payload, sign, shape, order, dtype = packed
         numel = 1
         for size in shape:
             numel *= size
-        flat = torch.ops.daf.format1_decode(payload, numel, IN_GRAPH_BITS, group_size, dtype)
+        positive = None if sign is None else torch.ops.daf.mask_unpack(sign, numel)
+        if form == "sign":
+            flat = positive.to(dtype)
+        else:
+            flat = torch.ops.daf.format1_decode(payload, numel, IN_GRAPH_BITS, group_size, dtype)
+        if form == "codes+sign":  # a value that rounded across 0 would flip threshold_backward's mask
+            flat = torch.where(positive, flat.clamp_min(torch.finfo(dtype).tiny), flat.clamp_max(0))
         return restore_memory_order(flat, shape, order)  # backward's views expect the saved strides
 
     return daf_pack, daf_unpack
+
+
+# How a save is packed: codes; codes and the exact sign bits x > 0 (1 bit more per element) when a
+# ReLU's backward reads the save besides ops that read its values; the sign bits alone when only ReLU's
+# backward (threshold_backward at 0, which reads nothing but x > 0) does.
+_FORMS = ("codes", "codes+sign", "sign")
+_ALIASES = frozenset({"aten.detach.default", "aten.alias.default"})
+
+
+def _form(readers: list[Any] | None) -> str:
+    signs = [node for node in readers or () if _reads_sign_only(node)]
+    if not signs:
+        return "codes"
+    return "sign" if len(signs) == len(readers) else "codes+sign"
+
+
+def _reads_sign_only(node: Any) -> bool:
+    return str(node.target) == "aten.threshold_backward.default" and len(node.args) > 2 and node.args[2] == 0
+
+
+def _backward_readers() -> list[Any] | None:
+    """The backward graph's nodes that read the save being packed (through detach and alias), or None when
+    not known: the hook runs eagerly, or torch moved this private context (then every save is codes).
+
+    AOTAutograd sets the context while it traces the hooks (``_saved_tensor_hook_context``: the forward and
+    backward graphs and the saved node; "may change without backward compatibility", hence the guard)."""
+    try:
+        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+        context = _get_saved_tensor_hook_context() or {}
+        node, backward = context.get("_node"), context.get("_bw_graph")
+    except (ImportError, AttributeError):
+        return None
+    if node is None or backward is None:
+        return None
+    pending = [n for n in backward.find_nodes(op="placeholder") if n.name == node.name]
+    readers = []
+    while pending:
+        for user in pending.pop().users:
+            (pending if str(user.target) in _ALIASES else readers).append(user)
+    return readers
 
 
 def _graph_of(function: Callable[..., Any]) -> torch.fx.GraphModule:
