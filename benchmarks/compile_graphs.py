@@ -8,8 +8,8 @@ For each model (random init, dropout off) and each order (plain ``torch.compile(
 - dynamo with ``CompileCounter`` as backend over ``--steps`` training steps: frames compiled (graphs plus
   recompiles), ops in them, graph breaks (``torch._dynamo.utils.counters["graph_break"]``);
 - the same through AOTAutograd (``aot_eager``: inductor's graphs without C++): the bytes the compiled
-  functions hold for backward after one forward, and the cosine of the parameters' gradient to the
-  plain compiled one.
+  functions hold for backward after one forward, parameters left out, and the cosine of the parameters'
+  gradient to the plain compiled one.
 
 No timings (graph counts and bytes do not depend on the machine's load). Run it against an older
 checkout with ``PYTHONPATH=<old>/src`` for the "before" figures.
@@ -76,8 +76,10 @@ def graphs(make: Callable, order: str, steps: int, bits: int) -> dict[str, int]:
             "graph_breaks": sum(counters["graph_break"].values())}
 
 
-def held_bytes(loss: torch.Tensor) -> int:
-    """Bytes the compiled functions behind ``loss`` hold for backward (packed saves included)."""
+def held_bytes(loss: torch.Tensor, parameters: list[torch.Tensor]) -> int:
+    """Bytes the compiled functions behind ``loss`` hold for backward (packed saves included), but for the
+    parameters, which they hold too and which live on anyway."""
+    weights = {p.untyped_storage().data_ptr() for p in parameters}
     seen, total, nodes = set(), 0, [loss.grad_fn]
     while nodes:
         node = nodes.pop()
@@ -85,7 +87,7 @@ def held_bytes(loss: torch.Tensor) -> int:
             continue
         seen.add(node)
         if "CompiledFunction" in type(node).__name__:
-            total += sum(t.nbytes for t in node.saved_tensors)
+            total += sum(t.nbytes for t in node.saved_tensors if t.untyped_storage().data_ptr() not in weights)
         nodes.extend(next_node for next_node, _ in node.next_functions)
     return total
 
@@ -97,7 +99,7 @@ def through_aot(make: Callable, order: str, bits: int) -> tuple[int, torch.Tenso
     model, loss_of = make()
     params = list(model.parameters())
     loss = loss_of(_compiled(model, order, "aot_eager", bits))
-    held = held_bytes(loss)
+    held = held_bytes(loss, params)
     return held, torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]).double()
 
 
