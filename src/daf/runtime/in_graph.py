@@ -11,9 +11,9 @@ switches ambient hooks off around the compiled function. Only intermediates the 
 inputs or parameters.
 
 The hooks here encode with DAF's own ops (``torch.ops.daf.format1_encode``/``format1_decode``, whose
-fake implementations let AOTAutograd trace them), so eager and compiled saves share one format. What
-the eager path adds is absent: no policy (every packed save gets 8 bits), no ReLU masks or derived
-forms, no exponent guard, nearest rounding only (a seed in a graph is a constant: stochastic
+fake implementations let AOTAutograd trace them), so eager and compiled saves share one format; a save
+ReLU's backward reads keeps its exact sign bits (``_FORMS``). What else the eager path adds is absent: no
+policy (every packed save gets 8 bits), no derived forms or sharing, no exponent guard, nearest rounding only (a seed in a graph is a constant: stochastic
 rounding would draw the same noise every step), no exceptional-value side table (a NaN or Inf saved
 in a compiled graph does not survive), and ``daf.report`` does not see these saves.
 """
@@ -43,8 +43,9 @@ def in_graph_hooks(config: Config) -> torch.autograd.graph.saved_tensors_hooks:
     (``daf.format.payload_bytes(numel, 8, group_size)`` bytes); other saves are kept as they are. Run
     eagerly (a graph break inside the compiled module), the same hooks pack the eager saves.
     """
-    import daf.kernels.mask_ops  # noqa: F401  register torch.ops.daf (cheap once torch.compile has run)
-    import daf.kernels.ops  # noqa: F401
+    # here, not at import: ``import daf`` stays free of the kernels (tests/test_import.py)
+    import daf.kernels.mask_ops  # noqa: F401  registers torch.ops.daf.relu_mask_encode, mask_unpack
+    import daf.kernels.ops  # noqa: F401  registers torch.ops.daf.format1_encode, format1_decode
 
     pack, unpack = _codec(config.group_size, config.min_numel)
     return torch.autograd.graph.saved_tensors_hooks(_graph_of(pack), _graph_of(unpack))
