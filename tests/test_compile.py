@@ -49,14 +49,14 @@ def _compiled(model: nn.Module, order: str, backend: object, fullgraph: bool = F
 
 
 def _graphs(make: Callable[[], nn.Module], shape: tuple[int, ...], order: str) -> tuple[int, int, int]:
-    """(graphs, ops, graph breaks) over three training steps: a recompile would add a graph."""
+    """(graphs, ops, graph breaks) over two training steps: a recompile would add a graph."""
     torch._dynamo.reset()
     counters.clear()
     counter = CompileCounter()
     model, _ = _compiled(make(), order, counter, fullgraph=order == "compile(wrap(m))")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for _ in range(3):
+        for _ in range(2):
             model(_x(shape)).square().mean().backward()
     return counter.frame_count, counter.op_count, sum(counters["graph_break"].values())
 
