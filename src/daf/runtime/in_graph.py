@@ -12,10 +12,11 @@ inputs or parameters.
 
 The hooks here encode with DAF's own ops (``torch.ops.daf.format1_encode``/``format1_decode``, whose
 fake implementations let AOTAutograd trace them), so eager and compiled saves share one format; a save
-ReLU's backward reads keeps its exact sign bits (``_FORMS``). What else the eager path adds is absent: no
-policy (every packed save gets 8 bits), no derived forms or sharing, no exponent guard, nearest rounding only (a seed in a graph is a constant: stochastic
-rounding would draw the same noise every step), no exceptional-value side table (a NaN or Inf saved
-in a compiled graph does not survive), and ``daf.report`` does not see these saves.
+ReLU's backward reads keeps its exact sign bits (``_FORMS``). What else the eager path adds is absent:
+no policy (every packed save gets 8 bits), no derived forms or sharing, no exponent guard, nearest
+rounding only (a seed in a graph is a constant: stochastic rounding would draw the same noise every
+step), no exceptional-value side table (a NaN or Inf saved in a compiled graph does not survive), and
+``daf.report`` does not see these saves.
 """
 
 from __future__ import annotations
