@@ -222,8 +222,8 @@ COMPILED_WARNING = (
 IN_GRAPH_WARNING = (
     "DAF: {what}: inside its graphs DAF stores {bits}-bit codes (nearest rounding) of the intermediates they "
     "save, whatever Config.bits, without the eager path's policy and derived forms, and daf.report does not "
-    "count them. Wrap before the first call (a graph compiled earlier keeps its saves raw). Run the wrapped "
-    "model eagerly for Config.bits and the report (docs/integrations.md, 'torch.compile').")
+    "count them. Run the wrapped model eagerly for Config.bits and the report (docs/integrations.md, "
+    "'torch.compile').")
 
 
 def _remove_inert_hooks(model: nn.Module) -> None:

@@ -134,3 +134,16 @@ def test_the_hooks_keep_small_integer_and_overlapping_saves_as_they_are():
     hooks = in_graph_hooks(Config(min_numel=64))
     for kept in (torch.randn(63), torch.arange(100), torch.randn(1, 100).expand(10, 100)):
         assert hooks.pack_hook(kept) is kept and hooks.unpack_hook(kept) is kept
+
+
+def test_a_module_compiled_and_run_before_wrap_packs_once_wrapped():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = _x().flatten(0, 1)
+    raw = _saved_by_graphs(compiled(x).square().mean())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        daf.wrap(compiled, min_numel=1024)
+    assert _saved_by_graphs(compiled(x).square().mean()) < raw / 2.5  # dynamo compiled it again under the hooks
