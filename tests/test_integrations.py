@@ -169,7 +169,9 @@ def _mlp() -> nn.Module:
 
 
 @pytest.mark.parametrize("order", ["compile(wrap(m))", "wrap(compile(m))"])
-def test_compile_in_either_order_warns_once_and_trains_uncompressed(order):
+def test_compile_in_either_order_warns_once_and_trains(order):
+    """Through inductor: compile(wrap(m)) saves raw, wrap(compile(m)) 8-bit codes in the graph (tests/test_compile.py,
+    tests/runtime/test_in_graph.py); neither goes through DAF's session, so the report counts nothing."""
     torch._dynamo.reset()
     plain = _mlp()
     with warnings.catch_warnings(record=True) as caught:
@@ -184,14 +186,14 @@ def test_compile_in_either_order_warns_once_and_trains_uncompressed(order):
     ours = [w for w in caught if str(w.message).startswith("DAF:")]
     assert len(ours) == 1 and "torch.compile" in str(ours[0].message)
     assert "eagerly" in str(ours[0].message)  # the fallback
-    assert daf.report(wrapped).stored_bytes == 0  # pinned: nothing compressed (yet) under compile
+    assert daf.report(wrapped).stored_bytes == 0  # pinned: the session sees no compiled save
     expected = _grads(plain, plain(_x()).square().mean())
     assert float(nn.functional.cosine_similarity(got, expected, dim=0)) > 0.9999
 
 
 def test_wrap_names_compiled_children():
     model = nn.Sequential(nn.Linear(4, 4), torch.compile(nn.Linear(4, 4)))
-    with pytest.warns(UserWarning, match=r"^DAF: 1 of this model run under torch.compile, and DAF compresses nothing"):
+    with pytest.warns(UserWarning, match=r"^DAF: 1 of this model run under torch.compile: inside its graphs DAF stores 8-bit"):
         daf.wrap(model)
 
 

@@ -20,6 +20,7 @@ from daf.allocator.native import status as _allocator_status
 from daf.config import Config
 from daf.report import Report
 from daf.runtime import Session
+from daf.runtime.in_graph import IN_GRAPH_BITS, in_graph_hooks
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["wrap", "unwrap", "compress", "report", "session_of", "allocator_status", "native_status"]
@@ -42,17 +43,34 @@ def _no_attachment() -> None:
     return None
 
 
+def _run_while_tracing(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``method`` as ``torch.compiler.assume_constant_result`` does: dynamo then runs it once, for real,
+    while it traces, and puts its result in the graph as a constant (no graph break, no op). Set by hand
+    because that function imports dynamo, seconds at ``import daf``; ``tests/test_compile.py`` checks
+    that the mark is the one it sets, and that tracing a wrapped model breaks no graph."""
+    method._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return method
+
+
 class _Hook:
     """One of DAF's forward hooks on one module. A copy of the model (``copy.deepcopy``, pickle,
     ``torch.save``) gets ``_inert_hook`` in its place: the hook reaches the session, whose threads,
-    locks and store cannot be copied, and the copy comes back unwrapped (``_Attachment.__reduce__``)."""
+    locks and store cannot be copied, and the copy comes back unwrapped (``_Attachment.__reduce__``).
 
-    __slots__ = ("call",)
+    While dynamo traces the module (``torch.compile``, either order, or a compiled part of the tree) the
+    hook does nothing but ``traced()``: what it does eagerly (Python state, ``warnings``, reading
+    ``grad_fn``) would break the user's graph, and a compiled graph's saves never reach DAF anyway."""
 
-    def __init__(self, call: Callable[..., None]) -> None:
+    __slots__ = ("call", "traced")
+
+    def __init__(self, call: Callable[..., None], traced: Callable[[], bool]) -> None:
         self.call = call
+        self.traced = traced
 
     def __call__(self, *args: Any) -> None:
+        if torch.compiler.is_compiling():
+            self.traced()
+            return
         self.call(*args)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
@@ -66,7 +84,8 @@ class _Attachment:
     tree is running: the root, or a child that a framework calls directly (``self.model.encoder(x)``).
     Parts that follow one another (an encoder, then a decoder) are one forward, for the report and the
     policy, until a module of a part already run (or one containing it) begins one again. Nothing begins
-    under eval, no_grad, inference_mode, inside a compiled graph (with one warning) or in backward
+    under eval, no_grad, inference_mode, while dynamo traces (one warning; a compiled part of the tree runs
+    under hooks its graphs inline instead, ``daf.runtime.in_graph``) or in backward
     (checkpointing's recomputation: what it saves goes to the checkpoint, not to DAF).
 
     The session is closed by ``unwrap`` or, failing that, when the model is garbage-collected:
@@ -81,8 +100,9 @@ class _Attachment:
         self._parts: set[int] = set()  # ids of the modules that began a part of the current forward
         self._covered: set[int] = set()  # ids of the modules under those
         self._subtrees: dict[int, frozenset[int]] = {}
-        # a compiled module's graph saves tensors without history, which DAF keeps raw: it only adds work there
+        # a compiled module runs under hooks AOTAutograd inlines into its graphs (DAF's eager hooks never see its saves)
         self._compiled = {id(model.get_submodule(path)) for path in compiled}
+        self._in_graph = in_graph_hooks(session.config) if compiled else None
         self._warned_compile = bool(compiled)  # wrap warned already
         self._warned_eval = False
         self.handles = self._attach(model)
@@ -94,8 +114,8 @@ class _Attachment:
         for path, module in model.named_modules():
             enter = self.session.sites.enter(path) if path else None
             leave = self.session.sites.leave(path) if path else None
-            handles.append(module.register_forward_pre_hook(_Hook(functools.partial(self._begin, enter))))
-            handles.append(module.register_forward_hook(_Hook(functools.partial(self._end, leave)),
+            handles.append(module.register_forward_pre_hook(_Hook(functools.partial(self._begin, enter), self._traced)))
+            handles.append(module.register_forward_hook(_Hook(functools.partial(self._end, leave), self._traced),
                                                         always_call=True))
         return handles
 
@@ -119,9 +139,9 @@ class _Attachment:
 
     def _begin(self, enter: Callable[..., None] | None, module: nn.Module, args: Any) -> None:
         contexts = self._contexts
-        if torch.compiler.is_compiling():
-            self._warn_compiled()
-            contexts.append(None)
+        if id(module) in self._compiled and self._active(module):
+            self._in_graph.__enter__()  # held while the module compiles and runs: its graphs inline these hooks
+            contexts.append(self._in_graph)
         elif contexts or not self._active(module) or id(module) in self._compiled:
             if not contexts and not module.training and self._builds_graph():  # eval() with grad
                 self._warn_eval()
@@ -160,17 +180,21 @@ class _Attachment:
         context = contexts.pop()
         if context is not None:
             context.__exit__(None, None, None)
-            self.session.end_forward()
+            if context is not self._in_graph:
+                self.session.end_forward()
 
     def _warn_eval(self) -> None:
         if not self._warned_eval:
             self._warned_eval = True
             warnings.warn(EVAL_WARNING, stacklevel=3)
 
-    def _warn_compiled(self) -> None:
+    @_run_while_tracing
+    def _traced(self) -> bool:
+        """Run by dynamo while it traces a hook of this tree (never at run time): warns once per model."""
         if not self._warned_compile:
             self._warned_compile = True
-            warnings.warn(COMPILED_WARNING.format(what="this model runs under torch.compile"), stacklevel=2)
+            warnings.warn(COMPILED_WARNING, stacklevel=1)
+        return True
 
     def detach(self) -> None:
         """Remove the hooks and close the session; records already stored stay readable for a backward
@@ -191,10 +215,15 @@ COPY_WARNING = ("DAF: a copy of a wrapped model (deepcopy, pickle, torch.save, A
                 "copies come back unwrapped: nothing it saves is compressed. Call daf.wrap(copy) to compress "
                 "it (docs/integrations.md, 'Copies and EMA').")
 COMPILED_WARNING = (
-    "DAF: {what}, and DAF compresses nothing there: a compiled graph saves "
-    "its tensors without autograd history, which DAF keeps raw. Training goes on uncompressed, at full "
-    "activation memory. To compress, run the wrapped model eagerly (drop torch.compile), or compile only "
-    "parts outside the wrapped model (docs/integrations.md, 'torch.compile').")
+    "DAF: this model runs under torch.compile(daf.wrap(model)), and DAF compresses nothing there: its hooks "
+    "step aside while dynamo traces, so the graph saves its tensors as they are (full activation memory). To "
+    "compress inside the graph, wrap the compiled model instead, daf.wrap(torch.compile(model)) (8-bit codes), "
+    "or run the wrapped model eagerly (docs/integrations.md, 'torch.compile').")
+IN_GRAPH_WARNING = (
+    "DAF: {what}: inside its graphs DAF stores {bits}-bit codes (nearest rounding) of the intermediates they "
+    "save, whatever Config.bits, without the eager path's policy and derived forms, and daf.report does not "
+    "count them. Run the wrapped model eagerly for Config.bits and the report (docs/integrations.md, "
+    "'torch.compile').")
 
 
 def _remove_inert_hooks(model: nn.Module) -> None:
@@ -234,7 +263,9 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
 
     Active while ``model``, or any module of its tree called on its own, runs forward in training mode
     with grad enabled; under ``eval()``, ``torch.no_grad()`` or ``torch.inference_mode()`` nothing changes.
-    Under ``torch.compile`` (either order) nothing is compressed, and DAF warns once. A copy of the
+    A compiled model, or compiled parts of it, wrapped after ``torch.compile``: their graphs save 8-bit codes
+    (``daf.runtime.in_graph``); ``torch.compile(wrap(model))`` compresses nothing. Either way the graphs
+    are those of the unwrapped model, and DAF warns once. A copy of the
     model (``copy.deepcopy``, pickle, ``torch.save``) is unwrapped: wrap it again to train it compressed.
     No layer is swapped: the module's type, parameters and state_dict stay as they are.
 
@@ -253,7 +284,7 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
     if compiled:
         what = ("this model is compiled with torch.compile" if "" in compiled
                 else f"{', '.join(compiled)} of this model run under torch.compile")
-        warnings.warn(COMPILED_WARNING.format(what=what), stacklevel=2)
+        warnings.warn(IN_GRAPH_WARNING.format(what=what, bits=IN_GRAPH_BITS), stacklevel=2)
     _remove_inert_hooks(model)
     object.__setattr__(model, _ATTR, _Attachment(model, _session(config), compiled))
     return model

@@ -1,0 +1,149 @@
+"""Compression inside compiled graphs (issue 39): ``daf.wrap(torch.compile(model))`` runs the compiled module
+under hooks that AOTAutograd inlines (``daf.runtime.in_graph``). ``aot_eager`` is AOTAutograd as inductor
+gets it, without building C++: a tiny block compiles in about a second."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import daf
+from daf.config import Config
+from daf.runtime import in_graph
+from daf.runtime.in_graph import in_graph_hooks
+
+
+def _block() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0))
+
+
+def _saved_by_graphs(loss: torch.Tensor) -> int:
+    """Bytes the compiled functions behind ``loss`` hold for backward (their packed saves included)."""
+    seen, total, nodes = set(), 0, [loss.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in type(node).__name__:
+            total += sum(t.nbytes for t in node.saved_tensors)
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return total
+
+
+def _step(model: nn.Module, params: nn.Module) -> tuple[int, torch.Tensor]:
+    loss = model(_x()).square().mean()
+    saved = _saved_by_graphs(loss)
+    return saved, torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(params.parameters()))])
+
+
+def test_a_compiled_block_saves_8_bit_codes_inside_its_graph():
+    torch._dynamo.reset()
+    plain = _block()
+    raw, expected = _step(torch.compile(plain, backend="aot_eager"), plain)
+    torch._dynamo.reset()
+    counters.clear()
+    with pytest.warns(UserWarning, match="^DAF: this model is compiled with torch.compile: inside its graphs DAF stores 8"):
+        model = daf.wrap(torch.compile(_block(), backend="aot_eager"), bits=2, min_numel=1024)
+    packed, got = [_step(model, model) for _ in range(2)][-1]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert raw / packed > 2.2  # figures in docs/integrations.md
+    assert float(nn.functional.cosine_similarity(got, expected, dim=0)) > 0.999
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                         nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
+def test_relu_outputs_keep_their_sign_bits_so_backward_masks_stay_exact():
+    """Codes alone round small positives to 0 and ReLU's backward drops their gradient: cosine 0.982 on a
+    ResNet-18 at 8 bits; with the sign bits 0.99999 (docs/integrations.md)."""
+    x = torch.randn(16, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    grads, held = [], []
+    for wrapped in (False, True):
+        torch._dynamo.reset()
+        model = _cnn()
+        compiled = torch.compile(model, backend="aot_eager")
+        if wrapped:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                compiled = daf.wrap(compiled, min_numel=1024)
+        loss = compiled(x).logsumexp(1).mean()
+        held.append(_saved_by_graphs(loss))
+        grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))]).double())
+    # here codes alone give 0.999985 and 3.4x (saves only ReLU's backward reads cost 8 bits, not 1)
+    assert float(nn.functional.cosine_similarity(*grads, dim=0)) > 0.999999
+    assert held[0] / held[1] > 3.8
+
+
+def test_the_forms_follow_who_reads_the_save_in_backward():
+    class Node:  # an fx node as _form reads it
+        def __init__(self, target: str, *args: object) -> None:
+            self.target, self.args = target, args
+    relu_backward = Node("aten.threshold_backward.default", "g", "y", 0)
+    conv_backward = Node("aten.convolution_backward.default")
+    assert in_graph._form([relu_backward]) == "sign"
+    assert in_graph._form([relu_backward, conv_backward]) == "codes+sign"
+    assert in_graph._form([conv_backward]) == in_graph._form(None) == "codes"
+    assert in_graph._form([Node("aten.threshold_backward.default", "g", "y", 6)]) == "codes"  # reads more than x > 0
+
+
+def test_a_compiled_child_packs_in_its_graph_and_the_eager_rest_goes_through_the_session():
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), _block())
+    plain_raw = _step(model, model)[0]
+    assert plain_raw == 0  # eager: no compiled function holds anything
+    model[2] = torch.compile(model[2], backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        daf.wrap(model, bits=8, min_numel=1024)
+    packed, _ = _step(model, model)
+    torch._dynamo.reset()
+    unwrapped = nn.Sequential(nn.Linear(64, 64), nn.GELU(), torch.compile(_block(), backend="aot_eager"))
+    assert 0 < packed < _step(unwrapped, unwrapped)[0] / 2.2
+    sites = {row.site.split("#")[0] for row in daf.report(model).rows}
+    assert sites == {"0", "1"}  # the linear and GELU; none from the graph
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "channels_last"])
+def test_the_hooks_run_eagerly_too_and_keep_the_saved_layout(layout):
+    x = torch.randn(8, 16, 12, 10)
+    x = {"contiguous": x, "transposed": x.transpose(1, 3),
+         "channels_last": x.to(memory_format=torch.channels_last)}[layout]
+    hooks = in_graph_hooks(Config(min_numel=1))
+    packed = hooks.pack_hook(x)
+    back = hooks.unpack_hook(packed)
+    assert back.shape == x.shape and back.stride() == x.stride()
+    assert float((back - x).abs().max()) <= float(x.max() - x.min()) / 255  # one 8-bit step of the range
+    assert packed[0] == "codes"  # eagerly nobody says who reads the save
+    assert packed[1].dtype == torch.uint8 and packed[1].nbytes < x.nbytes / 3
+
+
+def test_the_hooks_keep_small_integer_and_overlapping_saves_as_they_are():
+    hooks = in_graph_hooks(Config(min_numel=64))
+    for kept in (torch.randn(63), torch.arange(100), torch.randn(1, 100).expand(10, 100)):
+        assert hooks.pack_hook(kept) is kept and hooks.unpack_hook(kept) is kept
+
+
+def test_a_module_compiled_and_run_before_wrap_packs_once_wrapped():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = _x().flatten(0, 1)
+    raw = _saved_by_graphs(compiled(x).square().mean())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        daf.wrap(compiled, min_numel=1024)
+    assert _saved_by_graphs(compiled(x).square().mean()) < raw / 2.5  # dynamo compiled it again under the hooks
