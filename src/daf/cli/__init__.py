@@ -26,7 +26,7 @@ from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
 from daf.cli.arguments import Parser
-from daf.config import ALLOWED_BITS, GENERIC_MODES, Adaptive, Config, Division, MinMax, Outliers
+from daf.config import ALLOWED_BITS, GENERIC_MODES, Adaptive, Config, Division, MinMax, Outliers, Uniform
 
 __all__ = ["main", "entry", "build_parser"]
 
@@ -122,9 +122,10 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
                      help="the step whose activation bytes and memory timeline are recorded (2)")
     compress = parser.add_argument_group("DAF (passed to daf.Config)")
     compress.add_argument("--bits", type=_width, help="code width of the uniform policy: 1, 2, 4 or 8 (2)")
-    compress.add_argument("--policy", choices=("uniform", "adaptive"),
-                          help="bit policy: uniform (--bits everywhere; default) or adaptive (bits per site from "
-                               "importance, at --average bits per element)")
+    compress.add_argument("--policy", choices=("auto", "uniform", "adaptive"),
+                          help="bit policy: auto (a width per save from what backward reads; the default, also "
+                               "daf.wrap's), uniform (--bits everywhere, 2 unless given) or adaptive (bits per site "
+                               "from importance, at --average bits per element)")
     compress.add_argument("--average", type=_average,
                           help="the adaptive policy's average bits per element, in [1, 8] (2.0)")
     compress.add_argument("--generic", choices=GENERIC_MODES,
@@ -228,7 +229,10 @@ def _check_option_names(parser: argparse.ArgumentParser, workload: str, options:
 def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> dict[str, Any]:
     """``daf.Config``'s keywords from the DAF flags given: --policy and --average become the typed policy."""
     fields = dict(given)
-    adaptive = fields.pop("policy", "uniform") == "adaptive"
+    policy = fields.pop("policy", "auto")
+    adaptive = policy == "adaptive"
+    if policy == "uniform" and "bits" not in fields:
+        fields["policy"] = Uniform()
     average = fields.pop("average", None)
     generic = fields.pop("generic", None)
     if adaptive and "bits" in fields:
