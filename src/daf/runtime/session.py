@@ -27,6 +27,7 @@ from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
 from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, remake_from
 from daf.runtime.route import Context, Encoding, Kind, Remake, compressible, route
+from daf.runtime.snapshots import MaskCopies
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
                          attention_map_of, attention_output_of, head_log_probabilities, is_parameter, made_in_call,
                          masked_product_of, nodes_behind, nodes_made_by, normalized_output_of, parameter_storages,
@@ -61,11 +62,12 @@ class Session:
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
         # Linear calls of this forward by their output's node: (node, weakref to the input, its version, weight,
-        # bias), so that log-probabilities made from a head's output can be remade from its input (``_head_remake``)
+        # bias, (weakref to the output, its version)), so that log-probabilities made from a head's output can be remade from its input (``_head_remake``)
         self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, int, torch.Tensor, torch.Tensor | None]] = {}
         # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
         # with it): the only nodes whose saves it reads (``_readable``).
         self._made_here: dict[int, Any] = {}
+        self._mask_copies = MaskCopies()  # what remade attention probabilities read in backward, not the live mask
         # (thread, records) while _record_behind reads a graph node's _saved_*: another thread's unpacks go on
         self._captured: tuple[int, list[Any]] | None = None
         self._parameter_storages: set[int] = set()
@@ -94,6 +96,7 @@ class Session:
         self._remade.clear()
         self._linears.clear()
         self._made_here.clear()
+        self._mask_copies.clear()
         self._parameter_storages = parameter_storages(model)
         self.policy.on_forward_start(self.forwards)
 
@@ -107,6 +110,7 @@ class Session:
         self._remade.clear()
         self._linears.clear()
         self._made_here.clear()
+        self._mask_copies.clear()
         self.accounting.end()
 
     def continue_forward(self) -> None:
@@ -219,9 +223,10 @@ class Session:
                 records.append(mask)
             return remake_from(records, attention.function)
         arguments = op.attention_arguments if op is not None else None
-        probabilities = attention_map_of(tensor, *arguments) if arguments is not None else None
+        probabilities = (attention_map_of(tensor, *arguments, hold=self._mask_copies.copy_of)
+                         if arguments is not None else None)
         if probabilities is None:
-            return self._head_remake(tensor)
+            return self._head_remake(tensor, op)
         return remake_from([self._record_behind(probabilities.node, a) for a in probabilities.attributes],
                             probabilities.function)
 
@@ -233,19 +238,22 @@ class Session:
             return None
         return entry[1]
 
-    def _head_remake(self, tensor: torch.Tensor) -> Remake | None:
+    def _head_remake(self, tensor: torch.Tensor, op: OpCall | None) -> Remake | None:
         """Log-probabilities of a linear's output (an LM's head) whose input is alive: remade from an
-        8-bit record of that input, made only if routing derives them (``HeadInput``)."""
+        8-bit record of that input, made only if routing derives them (``HeadInput``). Not when the
+        logits were changed in place between the head and log_softmax (``_logits_unchanged``)."""
         for node, output_nr in nodes_behind(tensor):
             entry = self._linears.get((id(node), output_nr))
             if entry is not None and entry[0] is node:
                 break
         else:
             return None
-        _, input_ref, version, weight, bias = entry
+        _, input_ref, version, weight, bias, logits = entry
         y = input_ref()
         if y is None or y._version != version or not compressible(y, self.config.min_numel):
             return None  # gone, or changed in place since the head read it
+        if not _logits_unchanged(tensor, op, logits):
+            return None
         versions = (weight._version, None if bias is None else bias._version)
         function = functools.partial(head_log_probabilities, weight=weight, bias=bias, versions=versions,
                                      shape=tuple(tensor.shape), dtype=tensor.dtype)
@@ -403,8 +411,9 @@ class Session:
         y = call.kwargs.get("input", arguments[0])
         weight, bias = call.kwargs.get("weight", arguments[1]), call.kwargs.get("bias", arguments[2])
         if isinstance(y, torch.Tensor) and isinstance(weight, torch.Tensor):
-            node = call.output.grad_fn
-            self._linears[(id(node), call.output.output_nr)] = (node, weakref.ref(y), y._version, weight, bias)
+            node, logits = call.output.grad_fn, call.output
+            self._linears[(id(node), logits.output_nr)] = (node, weakref.ref(y), y._version, weight, bias,
+                                                           (weakref.ref(logits), logits._version))
 
     def _mark_made_here(self, nodes: list[Any]) -> None:
         for node in nodes:
@@ -471,6 +480,25 @@ class _Hooks:
         self._session._trackers().remove(self._tracker)
         self._tracker.__exit__(*exc)
         self._saved.__exit__(*exc)
+
+
+def _logits_unchanged(tensor: torch.Tensor, op: OpCall | None, logits: tuple[weakref.ref, int]) -> bool:
+    """Whether what log_softmax read to make ``tensor`` is what the head wrote: no in-place change (a
+    vocabulary masked to -inf under no_grad) of the head's output, nor of the cast or view between them
+    (born at version 0; a view shares its base's counter). The remake recomputes the head's output, so a
+    change that is not seen here would be lost. The tensor log_softmax read is known from the call that
+    made ``tensor`` (``op``: log_softmax or cross_entropy); where it is not, only a chain of views, all on
+    the head's output's counter, is allowed."""
+    output, version = logits[0](), logits[1]
+    if output is None or output._version != version:
+        return False
+    behind = nodes_behind(tensor)
+    read = op.args[0] if op is not None and op.args and isinstance(op.args[0], torch.Tensor) else None
+    if read is None or (read.grad_fn, read.output_nr) != behind[0]:
+        return all(type(node).__name__ != "ToCopyBackward0" for node, _ in behind)
+    shares_counter = (read._base if read._base is not None else read) is (
+        output._base if output._base is not None else output)
+    return read._version == (version if shares_counter else 0)
 
 
 def _splitmix64(x: int) -> int:
