@@ -25,7 +25,7 @@ from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedProduct
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
-from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, remake_from
+from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version, remake_from
 from daf.runtime.route import Context, Encoding, Kind, Remake, compressible, route
 from daf.runtime.snapshots import MaskCopies
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
@@ -349,9 +349,10 @@ class Session:
         if isinstance(saved, (Kept, Derived, DerivedProduct)):
             return saved.unpack()
         saved.source.check(saved.site)
+        saved.handed.check(saved.site)  # a backward that changed what the last reader got (plain raises too)
         recent = self._recent
         if recent is not None and recent[0]() is saved:
-            return recent[1]
+            return saved.handed.hand(recent[1])
         if saved.ref is None:  # backward (or checkpointing) asked before the forward ended
             self._collect_pending()
         packed = self.store.get(saved.ref)
@@ -360,15 +361,16 @@ class Session:
         else:
             tensor = self.codecs.decode_nonzeros(packed, self.store.get(saved.mask.ref), saved.site, saved.channels_last)
         self._recent = (weakref.ref(saved, self._forget_recent), tensor)
-        return tensor
+        return saved.handed.hand(tensor)
 
     def _remade_tensor(self, saved: DerivedActivation) -> torch.Tensor:
         recent = self._recent_remade
         if recent is not None and recent[0]() is saved:
             saved.source.check(saved.site)
+            check_version(recent[1], recent[2], saved.site)  # changed in place by the backward that read it
             return recent[1]
         tensor = saved.unpack()
-        self._recent_remade = (weakref.ref(saved, self._forget_recent), tensor)
+        self._recent_remade = (weakref.ref(saved, self._forget_recent), tensor, tensor._version)
         return tensor
 
     def _forget_recent(self, dead: weakref.ref) -> None:
