@@ -32,6 +32,7 @@ from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, Te
                          attention_map_of, attention_output_of, head_log_probabilities, is_parameter, made_in_call,
                          masked_product_of, nodes_behind, nodes_made_by, normalized_output_of, parameter_storages,
                          rms_normalized_output_of, tensors_in)
+from daf.tracing.log_probabilities import logits_unchanged
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -62,8 +63,10 @@ class Session:
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
         # Linear calls of this forward by their output's node: (node, weakref to the input, its version, weight,
-        # bias, (weakref to the output, its version)), so that log-probabilities made from a head's output can be remade from its input (``_head_remake``)
-        self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, int, torch.Tensor, torch.Tensor | None]] = {}
+        # bias, (weakref to the output, its version)), so that log-probabilities made from a head's output can be
+        # remade from its input (``_head_remake``)
+        self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, int, torch.Tensor, torch.Tensor | None,
+                                                   tuple[weakref.ref, int]]] = {}
         # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
         # with it): the only nodes whose saves it reads (``_readable``).
         self._made_here: dict[int, Any] = {}
@@ -80,7 +83,7 @@ class Session:
         # The same for the last remade save, apart: attention's probabilities are unpacked for p @ v
         # (through the dropped map) and again for the softmax, with v and the mask decoded between;
         # an LM's log-probabilities for nll_loss and log_softmax. Remade once each.
-        self._recent_remade: tuple[weakref.ref, torch.Tensor] | None = None
+        self._recent_remade: tuple[weakref.ref, torch.Tensor, int] | None = None  # and its version then
         # Which torch function is running, per thread (torch's function modes are per thread too).
         self._local = PerThreadStack()
         self._closed = False
@@ -241,7 +244,7 @@ class Session:
     def _head_remake(self, tensor: torch.Tensor, op: OpCall | None) -> Remake | None:
         """Log-probabilities of a linear's output (an LM's head) whose input is alive: remade from an
         8-bit record of that input, made only if routing derives them (``HeadInput``). Not when the
-        logits were changed in place between the head and log_softmax (``_logits_unchanged``)."""
+        logits were changed in place between the head and log_softmax (``logits_unchanged``)."""
         for node, output_nr in nodes_behind(tensor):
             entry = self._linears.get((id(node), output_nr))
             if entry is not None and entry[0] is node:
@@ -252,7 +255,7 @@ class Session:
         y = input_ref()
         if y is None or y._version != version or not compressible(y, self.config.min_numel):
             return None  # gone, or changed in place since the head read it
-        if not _logits_unchanged(tensor, op, logits):
+        if not logits_unchanged(tensor, op, logits[0](), logits[1]):
             return None
         versions = (weight._version, None if bias is None else bias._version)
         function = functools.partial(head_log_probabilities, weight=weight, bias=bias, versions=versions,
@@ -482,25 +485,6 @@ class _Hooks:
         self._session._trackers().remove(self._tracker)
         self._tracker.__exit__(*exc)
         self._saved.__exit__(*exc)
-
-
-def _logits_unchanged(tensor: torch.Tensor, op: OpCall | None, logits: tuple[weakref.ref, int]) -> bool:
-    """Whether what log_softmax read to make ``tensor`` is what the head wrote: no in-place change (a
-    vocabulary masked to -inf under no_grad) of the head's output, nor of the cast or view between them
-    (born at version 0; a view shares its base's counter). The remake recomputes the head's output, so a
-    change that is not seen here would be lost. The tensor log_softmax read is known from the call that
-    made ``tensor`` (``op``: log_softmax or cross_entropy); where it is not, only a chain of views, all on
-    the head's output's counter, is allowed."""
-    output, version = logits[0](), logits[1]
-    if output is None or output._version != version:
-        return False
-    behind = nodes_behind(tensor)
-    read = op.args[0] if op is not None and op.args and isinstance(op.args[0], torch.Tensor) else None
-    if read is None or (read.grad_fn, read.output_nr) != behind[0]:
-        return all(type(node).__name__ != "ToCopyBackward0" for node, _ in behind)
-    shares_counter = (read._base if read._base is not None else read) is (
-        output._base if output._base is not None else output)
-    return read._version == (version if shares_counter else 0)
 
 
 def _splitmix64(x: int) -> int:
