@@ -32,6 +32,9 @@ def test_defaults_are_valid():
     ("backend", "cuda", "'auto', 'native', 'reference'"),
     ("budget", "lots", "could not parse"),
     ("budget", -5, "positive"),
+    ("budget", 1e30, "a number of bytes in [1, 2**60]"),
+    ("budget", 10**30, "a number of bytes in [1, 2**60]"),
+    ("budget", "9999999TiB", "a number of bytes in [1, 2**60]"),
     ("min_bits", 3, "one of (1, 2, 4, 8)"),
     ("page_size", 5000, "power of two"),
     ("background", "yes", "True or False"),
@@ -50,6 +53,19 @@ def test_bad_values_name_field_value_and_allowed(field, value, allowed):
         Config(**{field: value})
     message = str(info.value)
     assert f"Config.{field}" in message and allowed in message and repr(value).strip("'") in message
+
+
+@pytest.mark.parametrize("bits, min_bits", [(2, 8), (2, 4), (1, 4), (4, 8)])
+def test_min_bits_above_bits_is_a_value_error_naming_both_and_the_allowed(bits, min_bits):
+    with pytest.raises(ValueError) as info:
+        Config(bits=bits, min_bits=min_bits)
+    message = str(info.value)
+    assert f"Config.min_bits={min_bits}" in message and f"Config.bits={bits}" in message and "one of (1, 2" in message
+
+
+def test_min_bits_at_most_bits_and_the_default_under_one_bit_are_accepted():
+    assert Config(bits=8, min_bits=8).min_bits == 8 and Config(bits=1).min_bits == 2
+    assert Config(policy=Adaptive(average=1.5), min_bits=4).min_bits == 4  # the plan's widths vary
 
 
 def test_adaptive_takes_a_fractional_average_and_validates_its_knobs():

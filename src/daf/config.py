@@ -62,6 +62,9 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _MOVED = {"replan_every": "it belongs to the adaptive policy: write policy=daf.Adaptive(replan_every=...)"}
 
 
+_MAX_SIZE = 2**60  # 1 EiB: larger sizes are mistakes, not budgets
+
+
 def parse_size(value: int | str | None, name: str = "size") -> int | None:
     """Bytes from an int or a string such as ``"512MiB"``, ``"1.5 GB"``, ``"4096"``.
 
@@ -72,8 +75,25 @@ def parse_size(value: int | str | None, name: str = "size") -> int | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"Config.{name} must be a byte count or a string like '512MiB', got {value!r}")
+    allowed = f"a number of bytes in [1, 2**60] (an int, or a string like '512MiB'), or None for no limit"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"Config.{name} must be {allowed}, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"Config.{name} could not parse {value!r}: write a number with an optional unit "
+                f"from B, KB, MB, GB, KiB, MiB, GiB, TiB (e.g. '512MiB')"
+            )
+        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"Config.{name} must be positive, got {value!r}")
+    if size > _MAX_SIZE:  # no machine holds it: a typo, or "no limit" spelt as a number
+        raise ValueError(f"Config.{name} must be {allowed}, got {value!r}")
+    return size
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"Config.{name} must be positive, got {value}")
@@ -493,6 +513,7 @@ class Config:
         _check_choice("backend", self.backend, _BACKENDS)
         object.__setattr__(self, "budget", parse_size(self.budget, "budget"))
         _check_choice("min_bits", self.min_bits, ALLOWED_BITS)
+        self._check_min_bits_within_bits()
         _check_int("page_size", self.page_size, 4096, 64 * 2**20)
         if not _is_power_of_two(self.page_size):
             raise ValueError(f"Config.page_size must be a power of two in [4096, 67108864], got {self.page_size}")
@@ -528,6 +549,16 @@ class Config:
             raise ValueError(f"Config.bits={self.bits} is the width of the Uniform policy and does nothing with "
                              f"policy=daf.Adaptive(...), whose average is Adaptive.average: write "
                              f"policy=daf.Adaptive(average={float(self.bits)!r}) and leave bits out")
+
+    def _check_min_bits_within_bits(self) -> None:
+        """Demotion goes down to ``min_bits`` from the width records are stored at: a floor above the Uniform
+        policy's ``bits`` would never be reached, and says the caller meant something else. The default floor
+        (2) stays allowed under ``bits=1``, which it has always accompanied."""
+        most = max(self.bits, Config.__dataclass_fields__["min_bits"].default)
+        if isinstance(self.policy, Uniform) and self.min_bits > most:
+            raise ValueError(f"Config.min_bits={self.min_bits} is above Config.bits={self.bits}: min_bits is the "
+                             f"fewest bits demotion under a budget may go down to, so it must be one of "
+                             f"{tuple(b for b in ALLOWED_BITS if b <= most)} (at most bits)")
 
     def floor_for(self, op_name: str | None) -> int:
         """The fewest bits ``floors`` allows for a save of ``op_name`` (1 where none is named)."""

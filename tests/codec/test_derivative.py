@@ -1,5 +1,7 @@
 """GELU/SiLU inputs as 2-bit derivative codes: representatives, exact codes, backward through DAF."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,3 +112,38 @@ def test_level_codes_are_bucketize_of_the_derivative_even_at_the_midpoints(funct
     d = torch.cat([midpoints, torch.nextafter(midpoints, torch.full_like(midpoints, 2.0))])
     counted = sum((d > m).to(torch.uint8) for m in midpoints.tolist())
     assert torch.equal(counted, torch.bucketize(d, midpoints).to(torch.uint8))
+
+
+@pytest.mark.parametrize("function", FUNCTIONS)
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_nan_and_inf_inputs_give_plain_autograds_gradient(function, backend):
+    """Issue 42: NaN and Inf were coded as a level, so backward saw a finite derivative where plain
+    autograd's is NaN. They are kept exactly (format 1's side table); the other elements keep their codes,
+    and a channels-last input too."""
+    torch.manual_seed(0)
+    base = torch.randn(4, 8, 6, 6) * 2
+    base.view(-1)[[3, 77, 500]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for x0 in (base, base.contiguous(memory_format=torch.channels_last)):
+        grads = []
+        for compressed in (True, False):
+            x = x0.clone().requires_grad_(True)
+            with (daf.compress(codec=Outliers(derivatives=True), bits=2, backend=backend, min_numel=1)
+                  if compressed else contextlib.nullcontext()):
+                y = _TORCH[function](x * 1.0)
+            y.backward(torch.ones_like(y))
+            grads.append(x.grad)
+        mine, plain = grads
+        finite = torch.isfinite(x0)
+        assert torch.equal(mine.isnan(), plain.isnan()) and torch.equal(mine.isinf(), plain.isinf())
+        assert torch.equal(mine[~finite].nan_to_num(), plain[~finite].nan_to_num())
+        levels = torch.tensor(LEVELS[function])[level_codes(function, x0).long()]
+        assert torch.allclose(mine[finite], levels[finite], atol=2e-6, rtol=0)
+
+
+def test_the_side_table_survives_reencode_and_counts_its_bytes():
+    codec = DerivativeCodec(REFERENCE)
+    x = torch.randn(1000)
+    x[[5, 6]] = float("nan")
+    packed = codec.encode(x, Spec(2, 0, "gelu"))
+    assert packed.exc_index.tolist() == [5, 6] and packed.nbytes > codec.encode(torch.randn(1000), Spec(2, 0, "gelu")).nbytes
+    assert codec.decode(codec.reencode(packed, 1, 0))[[5, 6]].isnan().all()

@@ -14,6 +14,7 @@ only a disk that cannot take it makes forward raise OutOfBudget.
 import errno
 import gc
 import os
+import shutil
 
 import pytest
 import torch
@@ -176,3 +177,23 @@ def test_backward_after_the_session_is_closed_reads_everything_back_and_then_fre
         return [p.grad for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(step(False), step(True)))
+
+
+def test_a_spill_directory_deleted_between_steps_is_made_again_and_training_goes_on(tmp_path):
+    """Issue 42: once the directory was gone, every later step failed to spill. Now the next spill makes a
+    new directory, and training goes on exactly as without the deletion."""
+    free, free_stats, _ = _gradients_over_steps({}, 3)
+    budget = {"budget": free_stats["high_water_bytes"] // 4, "spill_dir": str(tmp_path)}
+    torch.manual_seed(0)
+    model = daf.wrap(SmallCNN(), bits=2, page_size=4096, **budget)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    grads, directories = [], []
+    for _ in range(3):
+        x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        grads.append(gradients(model, x, y))
+        opt.step()
+        directories.append(daf.session_of(model).store._spill.directory)
+        shutil.rmtree(directories[-1])  # a clean-up of the temp dir, while no record is spilled
+    assert all(torch.equal(a, b) for a, b in zip(grads, free))
+    assert len(set(directories)) == 3 and daf.session_of(model).store.stats()["spills"] > 0

@@ -107,3 +107,19 @@ def test_spill_dir_must_exist(tmp_path):
     store = SpillStore(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="Config.spill_dir must be an existing directory"):
         store.write(0, [_random_bytes(1)], "a#0")
+
+
+def test_a_directory_removed_while_training_is_made_again_for_the_next_spill(tmp_path):
+    """Issue 42: every later write failed. A record spilled to the old directory says its file is gone."""
+    store = SpillStore(str(tmp_path))
+    lost = store.write(0, [_random_bytes(100)], "a#0")
+    first = store.directory
+    spilldir.remove(first)
+    handle = store.write(1, [_random_bytes(100, 1)], "b#0")
+    assert store.directory != first and os.path.isdir(store.directory) and not os.path.exists(first)
+    assert torch.equal(store.read(handle, "b#0"), _random_bytes(100, 1))
+    with pytest.raises(SpillError, match="'a#0'.*is gone"):
+        store.read(lost, "a#0")
+    directory = store.directory
+    store.close()
+    assert not os.path.exists(directory)

@@ -25,13 +25,15 @@ Blocks (the fields after the name):
   "strided" (every other channel)
 - ``("dropout", p, mode)``: mode "module" (``nn.Dropout``), "module_eval" (an ``nn.Dropout`` in eval
   mode inside the training model), "functional", "inplace"
+- ``("masked_attention", heads, kind)``, ``("edit_logits",)``: held masks changed outside autograd and
+  logits edited under no_grad (issue 42; ``MaskedAttention``, ``EditLogits``)
 - ``("square",)``: ``h * h`` (one tensor saved twice by one op) over its largest value,
   ``("gate",)``: ``h * sigmoid(h)`` written out, ``("pool",)``: ``max_pool1d`` over T, stride 1
   (saves int64 indices)
 
 ``ModelSpec.mutate`` adds an in-place change after forward and before backward (``Net.mutate``): to the
 input, or to a block's output through the tensor itself (kept, or "dropped" after the change), a view of
-it or a detached alias.
+it or a detached alias; ``("mask", how)`` rewrites every ``MaskedAttention``'s mask.
 
 Dropout draws from torch's global generator: the test seeds it identically before each run, and DAF
 draws nothing from it (stochastic rounding has its own counter-based generator), so both runs drop the
@@ -43,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -197,6 +200,55 @@ class Attention(_Block):
         return self.proj(o.transpose(1, 2).reshape(b, t, c))
 
 
+class MaskedAttention(_Block):
+    """``("masked_attention", heads, kind)``: the math path of ``F.scaled_dot_product_attention`` (dropout
+    on) with a padding mask the model holds outside autograd: kind "bool_numpy" or "float_numpy"
+    (``torch.from_numpy`` over a buffer a loader would reuse) or "float_tensor". ``change(how)`` rewrites
+    it for the next batch after forward: "rewrite" (the numpy buffer; no version change), "data"
+    (through ``.data``; none either), "in_place" (``copy_``: a version change)."""
+
+    def __init__(self, spec, c, h, w):
+        super().__init__(spec, c, h, w)
+        _, self.heads, self.kind = spec
+        self.qkv = nn.Linear(c, 3 * c)
+        self.proj = nn.Linear(c, c)
+        self.buffer = self._pattern(0)
+        self.mask = torch.from_numpy(self.buffer) if self.kind.endswith("numpy") else torch.tensor(self.buffer)
+
+    def _pattern(self, seed: int) -> np.ndarray:
+        t = self.hh * self.ww
+        kept = np.random.default_rng(seed).random((1, 1, t, t)) > 0.4
+        kept |= np.eye(t, dtype=bool)  # every query attends somewhere
+        return kept if self.kind == "bool_numpy" else np.where(kept, 0.0, -4.0).astype(np.float32)
+
+    def change(self, how: str) -> None:
+        new = self._pattern(1)
+        if how == "rewrite" and self.kind.endswith("numpy"):
+            self.buffer[...] = new
+        elif how == "data":
+            self.mask.data.copy_(torch.from_numpy(new))
+        else:
+            self.mask.copy_(torch.from_numpy(new))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        d = c // self.heads
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d).permute(2, 0, 3, 1, 4)
+        q, k = F.layer_norm(q, (d,)), F.layer_norm(k, (d,))  # QK-norm: the logits stay within a few units
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=0.25)
+        return self.proj(o.transpose(1, 2).reshape(b, t, c))
+
+
+class EditLogits(_Block):
+    """``("edit_logits",)``: part of the classes barred in place under no_grad (a vocabulary mask after an
+    LM's head), which plain autograd allows when the op before did not save its output."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            x[..., : self.c // 4] = -30.0
+        return x
+
+
 class Residual(_Block):
     def __init__(self, spec, c, h, w):
         super().__init__(spec, c, h, w)
@@ -304,7 +356,8 @@ class Pool(_Block):
 
 _BLOCKS = {"linear": Linear, "mlp": MLP, "act": Act, "norm": Norm, "conv1d": Conv1d, "conv2d": Conv2d,
            "attention": Attention, "residual": Residual, "inplace": InPlace, "view": View, "dropout": Dropout,
-           "square": Square, "gate": Gate, "pool": Pool}
+           "square": Square, "gate": Gate, "pool": Pool, "masked_attention": MaskedAttention,
+           "edit_logits": EditLogits}
 
 
 def make_block(spec: tuple, c: int, h: int, w: int) -> nn.Module:
@@ -323,7 +376,7 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x * self.spec.input_scale
-        target = self.spec.mutate[0] if self.spec.mutate is not None else None
+        target = self.spec.mutate[0] if self.spec.mutate is not None else None  # "mask": see mutate
         for i, block in enumerate(self.blocks):
             h = block(h)
             if target == i:
@@ -340,6 +393,11 @@ class Net(nn.Module):
         user would make it (no_grad, in place). The tensor changed stays referenced until the next
         forward, except under "dropped", where nothing references it after the change."""
         if self.spec.mutate is None:
+            return
+        if self.spec.mutate[0] == "mask":  # every held mask, rewritten for the next batch
+            for block in self.modules():
+                if isinstance(block, MaskedAttention):
+                    block.change(self.spec.mutate[1])
             return
         with torch.no_grad():
             if self.spec.mutate[0] == "input":

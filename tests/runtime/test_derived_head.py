@@ -19,20 +19,29 @@ class TinyLM(nn.Module):
     """A trained trunk under a frozen head, with the loss as Hugging Face's causal LMs compute it
     (logits upcast to float32, flattened); ``keep_input=False`` gives the head a temporary input."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, keep_input: bool = True, change_input: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, keep_input: bool = True, change_input: bool = False,
+                 mask_vocabulary: str | None = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH).requires_grad_(False)
         self.trunk = nn.Linear(WIDTH, WIDTH)
         self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False).requires_grad_(False).to(dtype)
         self.dtype, self.keep_input, self.change_input = dtype, keep_input, change_input
+        self.mask_vocabulary = mask_vocabulary  # "logits" or "upcast": which tensor is edited in place
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(torch.tanh(self.trunk(self.embed(ids)))).to(self.dtype)
         logits = self.head(hidden if self.keep_input else hidden * 1.0)
         if self.change_input:  # allowed by autograd: nothing saved it (the head is frozen)
             hidden.add_(1.0)
-        return F.cross_entropy(logits.float().view(-1, VOCAB), ids.view(-1))
+        if self.mask_vocabulary == "logits":
+            with torch.no_grad():  # the second half of the vocabulary barred, after the head
+                logits[..., VOCAB // 2:] = float("-inf")
+        upcast = logits.float()
+        if self.mask_vocabulary == "upcast":
+            with torch.no_grad():
+                upcast[..., VOCAB // 2:] = float("-inf")
+        return F.cross_entropy(upcast.view(-1, VOCAB), ids.view(-1))
 
 
 def _rows(model: nn.Module) -> list[daf.report.SiteRow]:
@@ -110,6 +119,23 @@ def test_coded_as_before_where_the_head_input_changed_after_the_head_read_it() -
     assert not any(row.site.endswith(".head_input") for row in rows)
     grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()) if q.grad is not None]
     assert all(F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999 for a, b in grads)
+
+
+@pytest.mark.parametrize("dtype, where", [(torch.float32, "logits"), (torch.bfloat16, "logits"),
+                                          (torch.bfloat16, "upcast")])
+def test_logits_edited_in_place_after_the_head_are_stored_and_give_plain_autograds_gradients(dtype, where) -> None:
+    """Issue 42: the remake recomputed the logits from the head's input and lost the edit (the barred half
+    of the vocabulary got probability again); now the log-probabilities are stored as they were made."""
+    torch.manual_seed(0)
+    plain = TinyLM(dtype, mask_vocabulary=where)
+    model = daf.wrap(TinyLM(dtype, mask_vocabulary=where), daf.Config(bits=8, min_numel=64))
+    model.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, VOCAB // 2, (4, 24), generator=torch.Generator().manual_seed(5))
+    plain(ids).backward()
+    model(ids).backward()
+    assert [row.kind for row in _rows(model) if row.source == "LogSoftmaxBackward0"][0] == "compressed"
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()) if q.grad is not None]
+    assert grads and all(F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999 for a, b in grads)
 
 
 def test_a_head_changed_in_place_before_backward_raises() -> None:

@@ -376,6 +376,31 @@ def test_adaptive_gradients_match_plain_autograd_or_both_raise(spec):
     check(spec, ADAPTIVE, steps=ADAPTIVE_STEPS)
 
 
+# Issue 42: what a remake reads that autograd's version counter does not watch. Attention masks held by the
+# model and rewritten for the next batch after forward (numpy buffer, .data, in place), and logits barred in
+# place under no_grad before the loss; drawn apart so that the examples of the properties above stay the same.
+@st.composite
+def held_mask_specs(draw: st.DrawFn) -> ModelSpec:
+    channels = draw(st.sampled_from([8, 16, 24]))
+    heads = draw(st.sampled_from([h for h in (1, 2) if channels // h >= 4]))
+    kind = draw(st.sampled_from(["bool_numpy", "float_numpy", "float_tensor"]))
+    before = tuple(draw(st.lists(_leaf_blocks(channels), max_size=2)))
+    after = draw(st.sampled_from([(), (("linear", True),), (("linear", False), ("edit_logits",))]))
+    dtypes = ["float32", "bfloat16"] if kind == "bool_numpy" else ["float32"]
+    return ModelSpec(batch=draw(st.integers(2, 3)), height=draw(st.integers(2, 4)), width=draw(st.integers(2, 4)),
+                     channels=channels, dtype=draw(st.sampled_from(dtypes)),
+                     blocks=(*before, ("masked_attention", heads, kind), *after),
+                     input_scale=1.0, head=draw(st.sampled_from(["project", "cross_entropy"])),
+                     seed=draw(st.integers(0, 2**16)),
+                     mutate=("mask", draw(st.sampled_from(["rewrite", "data", "in_place"]))))
+
+
+@settings(max_examples=EXAMPLES or 60, deadline=None, derandomize=True, database=None)
+@given(spec=held_mask_specs())
+def test_held_masks_and_edited_logits_give_plain_autograds_gradients(spec):
+    check(spec, UNIFORM)
+
+
 # -- what the property leaves out, pinned explicitly ------------------------------------------------
 
 def _both(make: Callable[[], torch.nn.Module], x: torch.Tensor, config: daf.Config = UNIFORM,

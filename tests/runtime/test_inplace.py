@@ -89,3 +89,38 @@ def test_unchanged_tensors_and_in_place_relu_train_as_plain_pytorch():
         net(x).square().sum().backward()
     a, b = (torch.cat([p.grad.flatten() for p in net.parameters()]) for net in (plain, model))
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
+
+
+class _DoublesItsSave(torch.autograd.Function):
+    """A custom Function whose backward changes its saved tensor in place: plain autograd raises at the
+    next unpack of that save."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x.mul_(2)
+        return grad * x
+
+
+def _two_readers_of_one_save():
+    torch.manual_seed(0)
+    a = torch.randn(64, 64, requires_grad=True)
+    x = a * 1.0
+    return (_DoublesItsSave.apply(x) * _DoublesItsSave.apply(x)).sum()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_backward_that_changes_its_saved_tensor_in_place_raises_like_plain_pytorch(background):
+    """Issue 42: DAF handed each reader a decoded copy (the second one the changed copy, from its cache)
+    and raised nothing."""
+    with pytest.raises(RuntimeError, match=MESSAGE):
+        _two_readers_of_one_save().backward()
+    with pytest.raises(RuntimeError, match=f"DAF .*{MESSAGE}"):
+        with daf.compress(bits=8, min_numel=1, background=background):
+            loss = _two_readers_of_one_save()
+        loss.backward()

@@ -15,7 +15,9 @@ stochastically: the gradient is biased (as in Approx-BP), not noisy.
 
 The codes are format-1 codes of the code tensor (values 0..3) at 2 bits under nearest rounding with
 the session's group size: every group's range is at most 3 codes wide, so the decoded value rounds
-back to the exact code. Cost: 2 + 32 / G bits per element. ``decode`` returns representatives, not
+back to the exact code. Cost: 2 + 32 / G bits per element. NaN and Inf inputs are kept exactly in the
+format-1 side table (``exc_index``, ``exc_value``) and decode to themselves, so backward computes
+plain autograd's ``f'(x)`` for them (NaN). ``decode`` returns representatives, not
 ``x``: only GELU/SiLU's own save may use this form (``Spec.consumer`` "gelu" or "silu"; a later op
 that saved the same tensor would get the representatives too: see docs/transformers.md).
 """
@@ -71,6 +73,17 @@ def level_codes(function: str, x: torch.Tensor) -> torch.Tensor:
     return codes
 
 
+def _nonfinite(flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(int64 flat indices, values in ``flat``'s dtype) of the NaN and Inf elements of ``flat``, the
+    side table of format 1 (docs/format.md); (None, None) when there are none. A level code would turn
+    them into a finite derivative, where plain autograd's f'(NaN) is NaN. O(numel)."""
+    nonfinite = ~torch.isfinite(flat)
+    if not bool(nonfinite.any()):
+        return None, None
+    index = nonfinite.nonzero().flatten()
+    return index, flat[index].clone()
+
+
 class DerivativeCodec:
     """Derivative codes of GELU/SiLU inputs on ``backend``, groups of ``group_size``."""
 
@@ -93,14 +106,17 @@ class DerivativeCodec:
         flat, order = flatten_memory_order(x.detach())
         codes = level_codes(spec.consumer, flat).float()
         payload, _, _ = self.backend.encode_flat(codes, BITS, self.group_size, False, 0)
+        exc_index, exc_value = _nonfinite(flat)
         return DerivativePacked(payload, tuple(x.shape), order, x.dtype, BITS, self.group_size,
-                                function=spec.consumer)
+                                exc_index, exc_value, function=spec.consumer)
 
     def decode(self, packed: DerivativePacked) -> torch.Tensor:
         codes = self.backend.decode_flat(packed.payload, packed.numel, BITS, packed.group_size, torch.float32)
         representatives = torch.tensor(REPRESENTATIVES[packed.function], dtype=torch.float32,
                                         device=codes.device)
         flat = representatives[codes.round().long()].to(packed.dtype)
+        if packed.exc_index is not None:  # NaN and Inf come back as they were: backward's f'(x) is plain's
+            flat[packed.exc_index] = packed.exc_value
         return restore_memory_order(flat, packed.shape, packed.order)
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:

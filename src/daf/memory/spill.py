@@ -69,6 +69,12 @@ class SpillStore:
         return self.parent if self.parent is not None else tempfile.gettempdir()
 
     def _ensure_directory(self) -> str:
+        if self.directory is not None and not os.path.isdir(self.directory):
+            # Removed under us (a clean-up of the temp dir while training): the records spilled there are
+            # gone and say so when read; later spills go to a new directory rather than fail every step.
+            self._finalizer.detach()
+            spilldir.remove(self.directory)
+            self.directory = None
         if self.directory is None:
             parent = self._parent()
             if not os.path.isdir(parent):

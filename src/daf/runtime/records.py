@@ -13,7 +13,7 @@ import torch
 from daf.memory import Store
 from daf.runtime.route import Remake
 
-__all__ = ["Saved", "Kept", "Source", "HeadInput", "NO_CHECK", "remake_from", "check_version"]
+__all__ = ["Saved", "Kept", "Source", "Handed", "HeadInput", "NO_CHECK", "remake_from", "check_version"]
 
 
 class Saved:
@@ -28,7 +28,7 @@ class Saved:
     """
 
     __slots__ = ("store", "ref", "site", "pending", "mask", "source", "row", "exact", "numel", "channels_last",
-                 "readers", "bits", "__weakref__")
+                 "readers", "bits", "handed", "__weakref__")
 
     def __init__(self, store: Store, ref: int | None, site: str, source: "Source",
                  pending: tuple[Future, float] | None = None, mask: "Saved | None" = None) -> None:
@@ -37,6 +37,7 @@ class Saved:
         self.channels_last = False  # restored in channels-last layout (daf.runtime.layout)
         self.readers: frozenset[str] | None = None  # the ops that may share it (None: any); Codecs.readers
         self.bits = 0  # the code width it was stored at (a derived save asks whether it is fine enough)
+        self.handed = Handed()  # the decoded tensor backward got last, to see a backward's in-place change
 
     def __del__(self) -> None:
         if self.ref is None:
@@ -45,6 +46,31 @@ class Saved:
             self.store.release(self.ref)
         except Exception:  # interpreter shutdown: nothing left to free
             pass
+
+
+class Handed:
+    """A weak reference to the tensor an unpack handed to backward, and its version then. Plain autograd
+    hands every reader of a save the same tensor and checks its version at each unpack, so a backward that
+    changes it in place (a custom ``autograd.Function``'s) makes the next reader raise. DAF hands out a
+    decoded copy (shared by the next reader through the session's cache): the same check on that copy
+    raises where plain autograd would, instead of giving the next reader the changed values (or,
+    decoded afresh, other values than plain's). Not seen: a change to a copy that died before the next
+    unpack (holding it would keep its memory)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self) -> None:
+        self.tensor: weakref.ref | None = None
+        self.version = 0
+
+    def check(self, site: str) -> None:
+        tensor = self.tensor() if self.tensor is not None else None
+        if tensor is not None:
+            check_version(tensor, self.version, site)
+
+    def hand(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.tensor, self.version = weakref.ref(tensor), tensor._version
+        return tensor
 
 
 class HeadInput:

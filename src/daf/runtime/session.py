@@ -26,12 +26,14 @@ from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedAttention, DerivedProduct, DerivedStatistic
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
-from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, remake_from
+from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version, remake_from
 from daf.runtime.route import Context, Encoding, Kind, Remake, compressible, route
+from daf.runtime.snapshots import MaskCopies
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
                          attention_map_of, attention_output_of, head_log_probabilities, is_parameter, made_in_call,
                          masked_product_of, nodes_behind, nodes_made_by, normalized_output_of, parameter_storages,
                          rms_normalized_output_of, tensors_in)
+from daf.tracing.log_probabilities import logits_unchanged
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
@@ -62,14 +64,17 @@ class Session:
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
         # Linear calls of this forward by their output's node: (node, weakref to the input, its version, weight,
-        # bias), so that log-probabilities made from a head's output can be remade from its input (``_head_remake``)
-        self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, int, torch.Tensor, torch.Tensor | None]] = {}
+        # bias, (weakref to the output, its version)), so that log-probabilities made from a head's output can be
+        # remade from its input (``_head_remake``)
+        self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, int, torch.Tensor, torch.Tensor | None,
+                                                   tuple[weakref.ref, int]]] = {}
         # Fused attention's logsumexp kept in a call still running, by the call: remade with the call's output
         # if that is remade (autograd saves the logsumexp first). (call, record, its report row)
         self._statistics: dict[int, tuple[OpCall, DerivedStatistic, int]] = {}
         # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
         # with it): the only nodes whose saves it reads (``_readable``).
         self._made_here: dict[int, Any] = {}
+        self._mask_copies = MaskCopies()  # what remade attention probabilities read in backward, not the live mask
         # (thread, records) while _record_behind reads a graph node's _saved_*: another thread's unpacks go on
         self._captured: tuple[int, list[Any]] | None = None
         self._parameter_storages: set[int] = set()
@@ -82,7 +87,7 @@ class Session:
         # The same for the last remade save, apart: attention's probabilities are unpacked for p @ v
         # (through the dropped map) and again for the softmax, with v and the mask decoded between;
         # an LM's log-probabilities for nll_loss and log_softmax. Remade once each.
-        self._recent_remade: tuple[weakref.ref, torch.Tensor] | None = None
+        self._recent_remade: tuple[weakref.ref, torch.Tensor, int] | None = None  # and its version then
         # Which torch function is running, per thread (torch's function modes are per thread too).
         self._local = PerThreadStack()
         self._why = threading.local()  # the reason behind the width _bits_for gave last on this thread
@@ -100,6 +105,7 @@ class Session:
         self._linears.clear()
         self._statistics.clear()
         self._made_here.clear()
+        self._mask_copies.clear()
         self._parameter_storages = parameter_storages(model)
         self.policy.on_forward_start(self.forwards)
 
@@ -114,6 +120,7 @@ class Session:
         self._linears.clear()
         self._statistics.clear()
         self._made_here.clear()
+        self._mask_copies.clear()
         self.accounting.end()
 
     def continue_forward(self) -> None:
@@ -243,9 +250,10 @@ class Session:
                 records.append(mask)
             return remake_from(records, attention.function, with_statistic=True)
         arguments = op.attention_arguments if op is not None else None
-        probabilities = attention_map_of(tensor, *arguments) if arguments is not None else None
+        probabilities = (attention_map_of(tensor, *arguments, hold=self._mask_copies.copy_of)
+                         if arguments is not None else None)
         if probabilities is None:
-            return self._head_remake(tensor)
+            return self._head_remake(tensor, op)
         return remake_from([self._record_behind(probabilities.node, a) for a in probabilities.attributes],
                             probabilities.function)
 
@@ -257,19 +265,22 @@ class Session:
             return None
         return entry[1]
 
-    def _head_remake(self, tensor: torch.Tensor) -> Remake | None:
+    def _head_remake(self, tensor: torch.Tensor, op: OpCall | None) -> Remake | None:
         """Log-probabilities of a linear's output (an LM's head) whose input is alive: remade from an
-        8-bit record of that input, made only if routing derives them (``HeadInput``)."""
+        8-bit record of that input, made only if routing derives them (``HeadInput``). Not when the
+        logits were changed in place between the head and log_softmax (``logits_unchanged``)."""
         for node, output_nr in nodes_behind(tensor):
             entry = self._linears.get((id(node), output_nr))
             if entry is not None and entry[0] is node:
                 break
         else:
             return None
-        _, input_ref, version, weight, bias = entry
+        _, input_ref, version, weight, bias, logits = entry
         y = input_ref()
         if y is None or y._version != version or not compressible(y, self.config.min_numel):
             return None  # gone, or changed in place since the head read it
+        if not logits_unchanged(tensor, op, logits[0](), logits[1]):
+            return None
         versions = (weight._version, None if bias is None else bias._version)
         function = functools.partial(head_log_probabilities, weight=weight, bias=bias, versions=versions,
                                      shape=tuple(tensor.shape), dtype=tensor.dtype)
@@ -367,9 +378,10 @@ class Session:
         if isinstance(saved, (Kept, Derived, DerivedProduct)):
             return saved.unpack()
         saved.source.check(saved.site)
+        saved.handed.check(saved.site)  # a backward that changed what the last reader got (plain raises too)
         recent = self._recent
         if recent is not None and recent[0]() is saved:
-            return recent[1]
+            return saved.handed.hand(recent[1])
         if saved.ref is None:  # backward (or checkpointing) asked before the forward ended
             self._collect_pending()
         packed = self.store.get(saved.ref)
@@ -378,15 +390,16 @@ class Session:
         else:
             tensor = self.codecs.decode_nonzeros(packed, self.store.get(saved.mask.ref), saved.site, saved.channels_last)
         self._recent = (weakref.ref(saved, self._forget_recent), tensor)
-        return tensor
+        return saved.handed.hand(tensor)
 
     def _remade_tensor(self, saved: DerivedActivation) -> torch.Tensor:
         recent = self._recent_remade
         if recent is not None and recent[0]() is saved:
             saved.source.check(saved.site)
+            check_version(recent[1], recent[2], saved.site)  # changed in place by the backward that read it
             return recent[1]
         tensor = saved.unpack()
-        self._recent_remade = (weakref.ref(saved, self._forget_recent), tensor)
+        self._recent_remade = (weakref.ref(saved, self._forget_recent), tensor, tensor._version)
         return tensor
 
     def _forget_recent(self, dead: weakref.ref) -> None:
@@ -432,8 +445,9 @@ class Session:
         y = call.kwargs.get("input", arguments[0])
         weight, bias = call.kwargs.get("weight", arguments[1]), call.kwargs.get("bias", arguments[2])
         if isinstance(y, torch.Tensor) and isinstance(weight, torch.Tensor):
-            node = call.output.grad_fn
-            self._linears[(id(node), call.output.output_nr)] = (node, weakref.ref(y), y._version, weight, bias)
+            node, logits = call.output.grad_fn, call.output
+            self._linears[(id(node), logits.output_nr)] = (node, weakref.ref(y), y._version, weight, bias,
+                                                           (weakref.ref(logits), logits._version))
 
     def _mark_made_here(self, nodes: list[Any]) -> None:
         for node in nodes:

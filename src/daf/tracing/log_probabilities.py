@@ -24,7 +24,8 @@ from daf.format import FLOAT_DTYPES
 from daf.tracing.ops import OpCall
 from daf.tracing.products import over_last_dimension
 
-__all__ = ["READERS", "is_log_probabilities", "stored_as_probabilities", "nodes_behind", "head_log_probabilities"]
+__all__ = ["READERS", "is_log_probabilities", "stored_as_probabilities", "nodes_behind", "head_log_probabilities",
+           "logits_unchanged"]
 
 # Ops whose backward reads saved log-probabilities through exp() (log_softmax, cross_entropy) or
 # only for their shape (nll_loss): they may share the record, -inf and all.
@@ -79,3 +80,24 @@ def head_log_probabilities(y: torch.Tensor, *, weight: torch.Tensor, bias: torch
                 f"then); plain PyTorch raises here too. Change parameters after backward.")
     logits = F.linear(y, weight, bias).to(dtype).reshape(shape)
     return logits.log_softmax(-1)
+
+
+def logits_unchanged(tensor: torch.Tensor, op: OpCall | None, output: torch.Tensor | None, version: int) -> bool:
+    """Whether what log_softmax read to make ``tensor`` is what the head wrote: no in-place change (a
+    vocabulary barred to -inf under no_grad) of the head's ``output`` (alive, at its ``version`` of the head's
+    call), nor of the cast or view between them (a cast is born at version 0; a view shares its base's
+    counter). The remake recomputes the head's output, so a change not seen here would be lost. The tensor
+    log_softmax read is known from the call that made ``tensor`` (``op``: log_softmax or cross_entropy);
+    where it is not, only views, all on the head's output's counter, may stand between. O(1)."""
+    if output is None or output._version != version:
+        return False
+    behind = nodes_behind(tensor)
+    read = op.args[0] if op is not None and op.args and isinstance(op.args[0], torch.Tensor) else None
+    if read is None or not behind or (read.grad_fn, read.output_nr) != behind[0]:
+        return all(type(node).__name__ != "ToCopyBackward0" for node, _ in behind)
+    shares_counter = _base_of(read) is _base_of(output)
+    return read._version == (version if shares_counter else 0)
+
+
+def _base_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._base if tensor._base is not None else tensor

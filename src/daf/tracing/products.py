@@ -29,8 +29,8 @@ copies of ``out`` and ``v`` cancel badly under sharp attention.
 The math path of ``scaled_dot_product_attention`` (on a CPU whenever dropout is on: BERT fine-tuning)
 saves the probabilities ``softmax(q' @ k'^T + bias)``, as large as batch x heads x tokens x tokens,
 beside the two products' operands ``q'`` and ``k'^T`` (scaled by the square root of the scale). The
-probabilities are remade in backward from those two records and the call's mask, bit for bit the
-forward's when the records are kept raw: nothing of them stored (the dropped map, the probabilities
+probabilities are remade in backward from those two records and an exact copy of the call's mask
+taken in forward, bit for bit the forward's when the records are kept raw: nothing of them stored (the dropped map, the probabilities
 times dropout's noise, is derived from them as before).
 
 This module only reads the autograd graph: which node multiplied, which of its inputs had history.
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 __all__ = ["nodes_made_by", "MaskedProduct", "masked_product_of", "ActivationOutput", "activation_output_of", "normalized_output_of",
            "rms_normalized_output_of", "AttentionOutput", "attention_output_of",
-           "AttentionMap", "attention_map_of", "over_last_dimension"]
+           "AttentionMap", "attention_map_of", "exact_copy", "over_last_dimension"]
 
 # Nodes whose output holds its input's elements in the same row-major order (an expand to the same
 # number of elements is the identity): the product can be remade as ``(x * mask).reshape(shape)``.
@@ -292,11 +292,28 @@ def over_last_dimension(node: Any, tensor: torch.Tensor) -> bool:
         return False
 
 
-def attention_map_of(tensor: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> AttentionMap | None:
+def exact_copy(mask: torch.Tensor) -> torch.Tensor:
+    """A copy of ``mask`` that no later write to it reaches, as ``mask`` (same shape and values); a
+    broadcast dimension (stride 0, HF's ``expand`` of a [B, 1, 1, T] padding mask) is copied once, not
+    materialized. O(elements actually stored)."""
+    compact = mask
+    for dim, stride in enumerate(mask.stride()):
+        if stride == 0 and mask.shape[dim] > 1:
+            compact = compact.narrow(dim, 0, 1)
+    return compact.clone().expand(mask.shape)
+
+
+def attention_map_of(tensor: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+                     hold: Callable[[torch.Tensor], torch.Tensor] = exact_copy) -> AttentionMap | None:
     """Whether ``tensor`` is the probabilities of attention's math path, called with ``attn_mask`` and
     ``is_causal``: softmax over the last dimension of a matrix product's output viewed as ``tensor``,
     plus the bias made from the mask (the mask without history: it is held, not remade), and the
-    function that remakes it from the product's two operands."""
+    function that remakes it from the product's two operands.
+
+    The function holds ``hold(attn_mask)``, an exact copy, never the caller's mask: a mask can change
+    before backward where no version counter sees it (``torch.from_numpy`` over a reused buffer, a
+    write through ``.data``) or where one does (a second forward refreshing the buffer in place before
+    one backward over both), and plain autograd, which saved the probabilities, is unaffected by either."""
     node = tensor.grad_fn
     softmax = _SOFTMAX_FUNCTIONS.get(type(node).__name__) if node is not None else None
     if softmax is None or tensor.output_nr != 0 or not tensor.is_contiguous():
@@ -315,9 +332,9 @@ def attention_map_of(tensor: torch.Tensor, attn_mask: torch.Tensor | None, is_ca
         scores, _ = scores.next_functions[0]
     if type(scores).__name__ not in _PRODUCTS:
         return None
-    version = None if attn_mask is None else attn_mask._version
-    function = functools.partial(_attention_map, softmax=softmax, mask=attn_mask, version=version,
-                                 is_causal=is_causal, shape=tuple(tensor.shape))
+    mask = None if attn_mask is None else hold(attn_mask)
+    function = functools.partial(_attention_map, softmax=softmax, mask=mask, is_causal=is_causal,
+                                 shape=tuple(tensor.shape))
     return AttentionMap(scores, ("_saved_self", "_saved_mat2"), function)
 
 
@@ -336,14 +353,9 @@ def _bias(attn_mask: torch.Tensor | None, is_causal: bool, scores: torch.Tensor)
 
 
 def _attention_map(q: torch.Tensor, k_t: torch.Tensor, *, softmax: Callable[..., torch.Tensor],
-                   mask: torch.Tensor | None, version: int | None, is_causal: bool,
-                   shape: tuple[int, ...]) -> torch.Tensor:
-    """The probabilities from the decoded operands, in the order the math path computed them."""
-    if mask is not None and mask._version != version:
-        raise RuntimeError(
-            f"DAF: the attention mask [{mask.type()} {list(mask.shape)}] was modified in place after forward "
-            f"(version {mask._version}, {version} then). DAF remakes attention's probabilities from it in "
-            f"backward, which would now differ from forward's: change the mask out of place.")
+                   mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...]) -> torch.Tensor:
+    """The probabilities from the decoded operands and the mask's copy, in the order the math path
+    computed them."""
     scores = (torch.bmm(q, k_t) if q.dim() == 3 else torch.mm(q, k_t)).view(shape)
     bias = _bias(mask, is_causal, scores)
     if bias is not None:

@@ -94,8 +94,8 @@ struct LargeBlocks {
   uint64_t reused_whole = 0;                       // blocks handed out again as they were
   uint64_t moved_bytes = 0;                        // moved into another block
   uint64_t moves = 0;                              // mremap calls
-  uint64_t fresh_bytes = 0;                        // new memory, faulted in on first touch
-  uint64_t given_bytes = 0;                        // freed pages moved into an untouched block
+  uint64_t fresh_bytes = 0;                        // new memory (faulted in on first touch), less what went back
+  uint64_t given_bytes = 0;                        // freed pages given back for an untouched block
   // The part of the last block that took new memory, while no large block has come or gone since.
   struct Untouched {
     uintptr_t block = 0, start = 0;
@@ -229,20 +229,25 @@ bool never_touched(uintptr_t start, size_t size) {
 // would hold kept memory while the successor faults in new pages: one full-size tensor more at the
 // step's peak (ResNet-18: the fifth of five first-stage tensors). So when a block is freed just after
 // another was given new memory, by the same thread, with nothing large in between, and none of that
-// new memory has been touched yet, the freed pages move there instead of being kept: the new block's
-// bytes are undefined until written, and a page neither present nor swapped was never written. The
-// same thread and nothing in between mean no other thread can have the new block yet. Bytes moved.
-size_t give_to_untouched(uintptr_t block, size_t size) {
+// new memory has been touched yet, as many of the freed pages as that new memory needs go back to the
+// system (munmap) instead of being kept: the successor's first writes fault them in again.
+//
+// The pages are given back, never moved into the successor (as they were until issue 42): the
+// successor is a live block, and another thread may be writing it at this moment with the GIL
+// released (os.readv from a pipe into a fresh buffer, fill_ in a worker), so a page found untouched
+// by the pagemap read can be written before an mremap lands on it, and that write would be lost.
+// Only the freed block, which no one can hold, is changed here; the successor is only read about,
+// so a stale answer costs memory, never data. Bytes given back.
+size_t give_back_for_untouched(uintptr_t block, size_t size) {
   const auto recent = g_large.recent;
   g_large.recent = {};
   if (recent.block == 0 || recent.block == block || recent.thread != std::this_thread::get_id()) return 0;
   const size_t take = std::min(size, recent.size);
   if (!never_touched(recent.start, take)) return 0;
-  size_t moved = 0;
-  move_range(block, recent.start, take, &moved);
-  g_large.given_bytes += moved;
-  g_large.fresh_bytes -= moved;
-  return moved;
+  if (munmap(reinterpret_cast<void*>(block), take) != 0) return 0;
+  g_large.given_bytes += take;
+  g_large.fresh_bytes -= take;  // fresh counts the new memory held (kept or live): this left
+  return take;
 }
 
 // Frees `ptr` if it is a large block: kept resident, or unmapped when large blocks are off.
@@ -259,7 +264,7 @@ bool release_large(void* ptr) {
     g_large.recent = {};
     munmap(ptr, size);
   } else {
-    const size_t given = give_to_untouched(block, size);
+    const size_t given = give_back_for_untouched(block, size);
     if (size > given) keep(block + given, size - given);
   }
   return true;
@@ -392,7 +397,7 @@ void daf_allocator_set_large_from(size_t bytes) {
 size_t daf_allocator_large_from() { return g_large.from.load(); }
 size_t daf_allocator_release_large_cache() { return release_large_cache(); }
 // Counters of the large blocks: [reused whole, bytes moved, mremap calls, bytes new, bytes kept, blocks live,
-// bytes given to an untouched block].
+// bytes given back for an untouched block].
 void daf_allocator_large_counters(uint64_t* out) {
   std::lock_guard<std::mutex> g(g_large.mutex);
   out[0] = g_large.reused_whole;
