@@ -82,6 +82,10 @@ class Session:
         # Which torch function is running, per thread (torch's function modes are per thread too).
         self._local = PerThreadStack()
         self._closed = False
+        # Widths the gradient audit raised, by site (``raise_bits``; 0: keep raw); read by ``_bits_for``
+        self.raised: dict[str, int] = {}
+        # Report sections others keep (the audit's): name -> what ``report`` shows under it
+        self.sections: dict[str, Callable[[], dict[str, Any]]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     def begin_forward(self, model: torch.nn.Module | None = None) -> None:
@@ -388,7 +392,16 @@ class Session:
 
     def _bits_for(self, site: str, x: torch.Tensor, op: OpCall | None) -> int:
         bits = guarded_bits(self.policy, site, x, op)
-        return max(bits, self.config.floor_for(op.name)) if bits and op is not None and self.config.floors else bits
+        bits = max(bits, self.config.floor_for(op.name)) if bits and op is not None and self.config.floors else bits
+        raised = self.raised.get(site) if bits and self.raised else None  # the policy's 0 (raw) stays raw
+        return bits if raised is None else 0 if raised == 0 else max(bits, raised)
+
+    def raise_bits(self, site: str, bits: int) -> None:
+        """Store ``site`` at ``bits`` at least from now on (0: raw), whatever the policy gives (the gradient
+        audit's widths, ``daf.runtime.audit``)."""
+        if bits not in (0, 1, 2, 4, 8):
+            raise ValueError(f"raise_bits takes bits in (0, 1, 2, 4, 8) (0: keep raw), got {bits!r}")
+        self.raised[site] = bits
 
     def _op_done(self, call: OpCall) -> None:
         self._mark_made_here(nodes_made_by(tensors_in((call.output,)), call.argument_nodes))
@@ -426,6 +439,7 @@ class Session:
         sections = {"policy": self.policy.summary(), "store": self.store.stats(),
                     "codec": {"codec": self.codecs.name, "group_size": self.config.group_size,
                               "rounding": self.config.rounding}}
+        sections.update({name: section() for name, section in self.sections.items()})
         return self.accounting.report(sections, self.forwards - 1 if self.forwards else None)
 
     def close(self) -> None:
