@@ -54,21 +54,22 @@ def _batch(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 64, generator=generator), torch.randint(0, 10, (n,), generator=generator)
 
 
-def test_a_planted_one_bit_save_is_reported_raised_and_the_gradient_recovers():
+@pytest.mark.parametrize("threshold, raised, recovered", [(daf.Audit().threshold, 2, 0.9), (0.99, 4, 0.99)])
+def test_a_planted_one_bit_save_is_reported_raised_and_the_gradient_recovers(threshold, raised, recovered):
     base, (x, y) = _mlp(), _batch()
     exact = _gradient(base, x, y)
     planted = daf.Config(policy=Planted("1#0"), min_numel=1)  # the first Tanh's output, read by Linear 2 too
     unaudited = daf.wrap(copy.deepcopy(base), planted.replace(audit=daf.Audit(every=0)))
-    audited = daf.wrap(copy.deepcopy(base), planted)
+    audited = daf.wrap(copy.deepcopy(base), planted.replace(audit=daf.Audit(threshold=threshold)))
     with pytest.warns(UserWarning, match=r"raised the widths of 1#0 1->2"):
-        recovered = _gradient(audited, x, y)  # the audit runs before this very forward
+        gradient = _gradient(audited, x, y)  # the audit runs before this very forward
     section = daf.report(audited).sections["audit"]
-    assert section["audits"] == 1 and section["first_cosine"] < 0.99 <= section["cosine"]
-    assert daf.session_of(audited).raised == {"1#0": 4}  # 1 -> 2 -> 4: two rounds
-    assert [row.bits for row in daf.report(audited).rows if row.site == "1#0"] == [4]
+    assert section["audits"] == 1 and section["first_cosine"] < 0.7 and section["cosine"] >= threshold
+    assert daf.session_of(audited).raised == {"1#0": raised}  # 1 -> 2 (-> 4): a round per raise
+    assert [row.bits for row in daf.report(audited).rows if row.site == "1#0"] == [raised]
     before = F.cosine_similarity(_gradient(unaudited, x, y), exact, 0)
-    after = F.cosine_similarity(recovered, exact, 0)
-    assert before < 0.9 and after > 0.99
+    after = F.cosine_similarity(gradient, exact, 0)
+    assert before < 0.7 and after > recovered
     assert "audit: audits=1" in str(daf.report(audited))
 
 
