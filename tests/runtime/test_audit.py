@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import daf
+import daf.runtime
 from daf.policy import Policy, register_policy
 
 
@@ -217,3 +218,15 @@ def test_a_model_it_cannot_audit_trains_on_with_one_warning(make, why):
             model(x)
     assert daf.report(model).sections["audit"]["off"].endswith(why.split(": ")[-1])
     assert daf.report(model).forward == 2  # the model's own forwards went on under DAF
+
+
+def test_raised_widths_are_floors_over_the_policy_and_a_policys_raw_stays_raw():
+    session = daf.runtime.Session(daf.Config(bits=4, policy=Planted("kept", bits=0)))
+    x = torch.randn(64)
+    session.raise_bits("a#0", 2)  # below the policy's 8: the policy's width holds
+    session.raise_bits("b#0", 0)  # raw
+    session.raise_bits("kept", 8)  # the policy keeps it raw: it stays raw
+    assert [session._bits_for(site, x, None) for site in ("a#0", "b#0", "kept", "c#0")] == [8, 0, 0, 8]
+    with pytest.raises(ValueError, match=r"raise_bits takes bits in \(0, 1, 2, 4, 8\)"):
+        session.raise_bits("a#0", 3)
+    session.close()
