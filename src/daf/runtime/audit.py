@@ -316,10 +316,14 @@ def _compare(names: list[str], exact: list, compressed: list) -> tuple[float | N
 
 
 def _cosine(figures: list[float]) -> float | None:
+    """None where the exact gradient is zero or not finite (nothing to judge DAF by); 0 where only the
+    compressed one is not finite."""
     dot, ee, cc = figures
-    if ee <= 0 or not math.isfinite(dot):
-        return None if ee <= 0 else 0.0
-    return dot / math.sqrt(ee * cc) if cc > 0 else 0.0
+    if not math.isfinite(ee) or ee <= 0:
+        return None
+    if not (math.isfinite(dot) and math.isfinite(cc)) or cc <= 0:
+        return 0.0
+    return dot / math.sqrt(ee * cc)
 
 
 def _costliest(errors: dict[str, tuple[int, float]]) -> list[tuple[str, int]]:
