@@ -8,7 +8,7 @@ import re
 import pytest
 
 import daf
-from daf import Adaptive, Auto, Config, Division, MinMax, Outliers, Uniform
+from daf import Adaptive, Audit, Auto, Config, Division, MinMax, Outliers, Uniform
 from daf.config import CONFIG_VERSION, parse_size
 
 
@@ -143,6 +143,7 @@ def test_replace_validates_and_rejects_unknown_fields():
            codec=Division(), masks=False),
     Config(bits=8, codec=Division(), allocator="system"),
     Config(floors={"linear": 4, "layer_norm": 8}),
+    Config(audit=Audit(every=7, fraction=0.5, threshold=0.9, first=False)),
 ])
 def test_round_trips_through_json(config):
     data = config.to_dict()
@@ -215,7 +216,7 @@ def test_unknown_keyword_is_a_value_error_naming_it_and_the_allowed_fields(make)
         make()
     message = str(info.value)
     assert "unknown Config field" in message and "'bitz'" in message and "did you mean 'bits'" in message
-    assert "allowed: allocator, backend, background, bits, budget" in message and "spill_dir" in message
+    assert "allowed: allocator, audit, backend, background, bits, budget" in message and "spill_dir" in message
 
 
 def test_wrap_and_compress_refuse_an_unknown_keyword_the_same_way():
@@ -279,3 +280,28 @@ def test_floors_are_sorted_pairs_a_dict_in_json_and_named_floors_only():
     assert config.to_dict()["floors"] == {"layer_norm": 8, "scaled_dot_product_attention": 4}
     assert (config.floor_for("layer_norm"), config.floor_for("linear"), config.floor_for(None)) == (8, 1, 1)
     assert Config().floors == () and Config.from_dict({"bits": 4}).floors == ()
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"every": -1}, "Audit.every must be an integer >= 0, got -1"),
+    ({"every": 2.5}, "Audit.every must be an integer"),
+    ({"fraction": 0}, "Audit.fraction must be a number in (0, 1], got 0; to turn the audit off"),
+    ({"fraction": 1.5}, "Audit.fraction must be a number in [0, 1], got 1.5"),
+    ({"threshold": 2}, "Audit.threshold must be a number in [0, 1], got 2"),
+    ({"first": 1}, "Audit.first must be True or False, got 1"),
+    ({"evry": 3}, "unknown Audit field(s) 'evry' (did you mean 'every'?)"),
+])
+def test_audit_values_are_checked_and_the_error_names_the_field(kwargs, says):
+    with pytest.raises(ValueError) as error:
+        Audit(**kwargs)
+    assert says in str(error.value)
+
+
+def test_config_audit_takes_an_audit_and_old_dicts_without_it_get_the_default():
+    with pytest.raises(ValueError, match=r"Config.audit must be a daf.Audit\(...\)"):
+        Config(audit=50)
+    assert Config().audit == Audit() and Config().to_dict()["audit"] == {"every": 50, "fraction": 0.125,
+                                                                          "threshold": Audit().threshold, "first": True}
+    data = Config(bits=4).to_dict()
+    del data["audit"]
+    assert Config.from_dict(data) == Config(bits=4)

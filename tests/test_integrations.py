@@ -148,7 +148,8 @@ def test_checkpointed_blocks_are_not_recomputed_in_forward(ending):
 
     torch.manual_seed(0)
     plain = Net()
-    model = daf.wrap(copy.deepcopy(plain), bits=8, rounding="nearest", min_numel=1)
+    model = daf.wrap(copy.deepcopy(plain), bits=8, rounding="nearest", min_numel=1,
+                     audit=daf.Audit(every=0))  # the audit's passes would run the blocks too
     x = torch.randn(4, 8, 64)
     torch.manual_seed(1)
     loss = model(x).square().mean()
@@ -356,3 +357,12 @@ def test_the_core_never_imports_the_frameworks():
              "print([m for m in ('lightning', 'transformers', 'daf.integrations') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_logged_figures_carry_the_gradient_audits_cosine_once_one_ran():
+    from daf.integrations import figures
+    model = daf.wrap(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)), min_numel=1)
+    assert "daf/audit_cosine" not in figures(daf.session_of(model))
+    model(torch.randn(16, 64)).sum().backward()
+    cosine = figures(daf.session_of(model))["daf/audit_cosine"]
+    assert cosine == daf.report(model).sections["audit"]["cosine"] and 0 < cosine <= 1 + 1e-9

@@ -11,11 +11,11 @@ The bit policy and the codec are typed configs: ``daf.wrap(model, policy=daf.Ada
 """
 
 from daf.api import allocator_status, compress, native_status, report, session_of, unwrap, wrap
-from daf.config import Adaptive, Auto, Config, Division, MinMax, Outliers, Uniform
+from daf.config import Adaptive, Audit, Auto, Config, Division, MinMax, Outliers, Uniform
 from daf.memory.errors import OutOfBudget
 from daf.report import Report
 
 __version__ = "0.1.0"
 
 __all__ = ["wrap", "unwrap", "compress", "report", "session_of", "Config", "Auto", "Uniform", "Adaptive", "MinMax",
-           "Division", "Outliers", "Report", "OutOfBudget", "allocator_status", "native_status"]
+           "Division", "Outliers", "Audit", "Report", "OutOfBudget", "allocator_status", "native_status"]

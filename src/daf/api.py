@@ -21,6 +21,7 @@ from daf.config import Config
 from daf.report import Report
 from daf.runtime import Session
 from daf.runtime.in_graph import IN_GRAPH_BITS, in_graph_hooks
+from daf.runtime.audit import GradientAudit
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["wrap", "unwrap", "compress", "report", "session_of", "allocator_status", "native_status"]
@@ -105,6 +106,8 @@ class _Attachment:
         self._in_graph = in_graph_hooks(session.config) if compiled else None
         self._warned_compile = bool(compiled)  # wrap warned already
         self._warned_eval = False
+        audit = session.config.audit
+        self.audit = GradientAudit(session, audit) if audit.every else None
         self.handles = self._attach(model)
         self._finalizer = weakref.finalize(model, session.close)
 
@@ -117,7 +120,15 @@ class _Attachment:
             handles.append(module.register_forward_pre_hook(_Hook(functools.partial(self._begin, enter), self._traced)))
             handles.append(module.register_forward_hook(_Hook(functools.partial(self._end, leave), self._traced),
                                                         always_call=True))
+        if self.audit is not None:  # before the root's _begin: the audit runs before the forward it audits
+            handles.append(model.register_forward_pre_hook(_Hook(self._audit), prepend=True, with_kwargs=True))
         return handles
+
+    def _audit(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The root's forward pre-hook: count a training forward, and audit it when due (runtime/audit.py)."""
+        if (not self._contexts and self._active(module) and id(module) not in self._compiled
+                and not torch.compiler.is_compiling()):
+            self.audit.step(module, args, kwargs)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # A copy of the model is a plain model (docs/integrations.md, "Copies and EMA"): the session
@@ -139,7 +150,9 @@ class _Attachment:
 
     def _begin(self, enter: Callable[..., None] | None, module: nn.Module, args: Any) -> None:
         contexts = self._contexts
-        if id(module) in self._compiled and self._active(module):
+        if self.audit is not None and self.audit.running:
+            contexts.append(None)  # the audit's own passes: exact, or through a session of the audit's
+        elif id(module) in self._compiled and self._active(module):
             self._in_graph.__enter__()  # held while the module compiles and runs: its graphs inline these hooks
             contexts.append(self._in_graph)
         elif contexts or not self._active(module) or id(module) in self._compiled:
@@ -233,6 +246,7 @@ def _remove_inert_hooks(model: nn.Module) -> None:
             for key in [key for key, hook in hooks.items() if hook is _inert_hook]:
                 del hooks[key]
                 module._forward_hooks_always_called.pop(key, None)
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def _compiled_parts(model: nn.Module) -> list[str]:

@@ -84,3 +84,10 @@ def test_a_thread_count_below_one_is_refused():
     import pytest
     with pytest.raises(SystemExit, match="--threads 0"):
         main(["overhead", "--workload", "tiny-mnist", "--threads", "0"])
+
+
+def test_the_audit_is_averaged_over_the_steps_not_a_median():
+    rows = [{"fp32": 1.0, "tracker": 1.0, "daf": 1.5, "audit": 0.3, "inner:audit": 0.01},
+            {"fp32": 1.0, "tracker": 1.0, "daf": 1.0}, {"fp32": 1.0, "tracker": 1.0, "daf": 1.0}]
+    components = overhead._components(rows)
+    assert math.isclose(components["audit"], 0.1) and "inner:audit" not in components

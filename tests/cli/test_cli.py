@@ -380,3 +380,15 @@ def test_floors_flag_sets_config_floors_and_the_label(tmp_path):
     assert run["config"]["floors"] == {"linear": 8, "relu": 4}
     from daf.cli.table import config_label
     assert config_label(run["config"]) == "DAF 2-bit floors linear=8,relu=4"
+
+
+def test_the_table_gives_the_gradient_audits_last_cosine():
+    from daf.cli.table import format_table
+    run = {"arm": "daf", "metric": "accuracy", "eval": {"accuracy": 0.5}, "steps_done": 3, "steps_requested": 3,
+           "activations": {"raw_bytes": 2**22, "stored_bytes": 2**20}, "median_step_seconds": 0.32,
+           "config": {"bits": 2}, "activations_last_step": {"audit": {"audits": 2, "cosine": 0.99512, "samples": 8,
+                                                                      "raised": "layer1.0.conv1#0:4"}}}
+    assert format_table([run]).splitlines()[-1] == ("audit (DAF 2-bit): 2 audits, last gradient cosine 0.9951 "
+                                                    "(slice of 8); raised layer1.0.conv1#0:4")
+    del run["activations_last_step"]
+    assert "audit" not in format_table([run])

@@ -89,7 +89,7 @@ def test_resnet18_frames_hold_no_full_size_tensor_that_daf_stored():
     import daf
     from daf.workloads.resnet import ResNet18
 
-    model = daf.wrap(ResNet18(num_classes=10, in_channels=1, width=8).train())
+    model = daf.wrap(ResNet18(num_classes=10, in_channels=1, width=8).train(), audit=daf.Audit(every=0))  # hooks count
     seen: dict[str, weakref.ref] = {}
     alive_later: list[bool] = []
     model.layer1[0].register_forward_pre_hook(lambda m, args: seen.update(stem=weakref.ref(args[0])))

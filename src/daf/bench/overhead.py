@@ -11,6 +11,8 @@ session's codecs, store and policy are wrapped in timers, and so are its two hoo
 - ``pack: routing and bookkeeping`` / ``unpack: rest``: the hooks' time less the above;
 - ``op tracking``: the plain step under the tracker less the plain step (one Python call per
   torch function);
+- ``audit``: the gradient audit (``daf.Audit``, docs/audit.md), all its passes; the mean per step, not
+  the median, since most steps have none (run ``--steps`` past ``Audit.every`` to see one);
 - ``unexplained``: DAF's step less fp32's less all of the above (hook dispatch in autograd,
   the allocator, caches).
 
@@ -119,6 +121,9 @@ def measure(workload_name: str, batch: int, steps: int = 5, warmup: int = 2, opt
     daf.wrap(models["daf"], config if config is not None else daf.Config())
     timers = _Clock(now)
     _instrument(daf.session_of(models["daf"]), timers)
+    audit = models["daf"]._daf_attachment.audit
+    if audit is not None:  # its own passes call the model, and so this timer, again: inner and tiny
+        audit.step = timers.timed("audit", audit.step, outer=True)
     optimizers = {arm: workload.optimizer(model, warmup + steps)[0] for arm, model in models.items()}
     rows: list[dict[str, float]] = []
     for index, data in enumerate(batches):
@@ -151,10 +156,10 @@ def _components(rows: list[dict[str, float]]) -> dict[str, float]:
     def median(key: str) -> float:
         return statistics.median(row.get(key, 0.0) for row in rows)
 
-    hooks = {"pack (all)", "unpack (all)", "inner:pack (all)", "inner:unpack (all)"}
+    hooks = {"pack (all)", "unpack (all)", "inner:pack (all)", "inner:unpack (all)", "inner:audit"}
     labels = sorted({key for row in rows for key in row} - {"fp32", "tracker", "daf"} - hooks)
     out = {"fp32 step": median("fp32"), "DAF step": median("daf")}
-    out.update({k: median(k) for k in labels})
+    out.update({k: statistics.fmean(row.get(k, 0.0) for row in rows) if k == "audit" else median(k) for k in labels})
     # the hooks' own time: routing (two-value and nonzeros checks included), accounting, tables
     out["pack: routing and bookkeeping"] = statistics.median(
         row.get("pack (all)", 0.0) - row.get("inner:pack (all)", 0.0) for row in rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["format_table", "headline", "config_label", "step_ms"]
+__all__ = ["format_table", "headline", "config_label", "step_ms", "audit_line"]
 
 _MIB = 2**20
 
@@ -114,9 +114,20 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     if "fp32" in by_arm and "daf" in by_arm:
         lines.append("")
         lines.append(difference(by_arm["fp32"], by_arm["daf"]))
+    lines.extend(audit_line(run) for run in runs if (run.get("activations_last_step") or {}).get("audit"))
     if any(run.get("interrupted") for run in runs):
         lines.append("interrupted: figures cover the steps that ran")
     return "\n".join(lines)
+
+
+def audit_line(run: dict[str, Any]) -> str:
+    """The gradient audit's figures at the run's last step (docs/audit.md)."""
+    audit = run["activations_last_step"]["audit"]
+    cosine = audit.get("cosine")
+    text = (f"audit ({_daf_label(run)}): {audit.get('audits', 0)} audits, last gradient cosine "
+            f"{'-' if cosine is None else f'{cosine:.4f}'} (slice of {audit.get('samples', '-')})")
+    return text + (f"; raised {audit['raised']}" if audit.get("raised") else "") + \
+        (f"; off: {audit['off']}" if audit.get("off") else "")
 
 
 def difference(fp32: dict[str, Any], compressed: dict[str, Any]) -> str:

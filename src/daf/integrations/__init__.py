@@ -21,10 +21,15 @@ __all__ = ["figures", "Wrapping", "WrappingCallback"]
 
 def figures(session: Session, prefix: str = "daf/") -> dict[str, float]:
     """What the frameworks log: bytes the last forward's saved tensors would have held (``raw_bytes``),
-    bytes DAF held (``stored_bytes``) and their ratio."""
+    bytes DAF held (``stored_bytes``), their ratio, and the last gradient audit's cosine (``audit_cosine``,
+    once an audit ran: docs/audit.md)."""
     report = session.report()
-    return {f"{prefix}raw_bytes": float(report.raw_bytes), f"{prefix}stored_bytes": float(report.stored_bytes),
-            f"{prefix}ratio": float(report.ratio)}
+    out = {f"{prefix}raw_bytes": float(report.raw_bytes), f"{prefix}stored_bytes": float(report.stored_bytes),
+           f"{prefix}ratio": float(report.ratio)}
+    cosine = report.sections.get("audit", {}).get("cosine")
+    if cosine is not None:
+        out[f"{prefix}audit_cosine"] = float(cosine)
+    return out
 
 
 class Wrapping:

@@ -92,6 +92,10 @@ class Session:
         self._local = PerThreadStack()
         self._why = threading.local()  # the reason behind the width _bits_for gave last on this thread
         self._closed = False
+        # Widths the gradient audit raised, by site (``raise_bits``; 0: keep raw); read by ``_bits_for``
+        self.raised: dict[str, int] = {}
+        # Report sections others keep (the audit's): name -> what ``report`` shows under it
+        self.sections: dict[str, Callable[[], dict[str, Any]]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     def begin_forward(self, model: torch.nn.Module | None = None) -> None:
@@ -430,7 +434,17 @@ class Session:
         floor = self.config.floor_for(op.name) if bits and op is not None and self.config.floors else 0
         if bits and floor > bits:  # a raw choice (0) stays raw
             bits, self._why.reason = floor, f"floor for {op.name}"
+        raised = self.raised.get(site) if bits and self.raised else None  # the policy's 0 (raw) stays raw
+        if raised is not None and (raised == 0 or raised > bits):
+            bits, self._why.reason = raised, "raised by the gradient audit"
         return bits
+
+    def raise_bits(self, site: str, bits: int) -> None:
+        """Store ``site`` at ``bits`` at least from now on (0: raw), whatever the policy gives (the gradient
+        audit's widths, ``daf.runtime.audit``)."""
+        if bits not in (0, 1, 2, 4, 8):
+            raise ValueError(f"raise_bits takes bits in (0, 1, 2, 4, 8) (0: keep raw), got {bits!r}")
+        self.raised[site] = bits
 
     def _op_done(self, call: OpCall) -> None:
         self._mark_made_here(nodes_made_by(tensors_in((call.output,)), call.argument_nodes))
@@ -471,6 +485,7 @@ class Session:
                               "rounding": self.config.rounding},
                     # The process's RSS depends on it as much as on DAF (docs/allocator.md): say which it is.
                     "allocator": _allocator_section()}
+        sections.update({name: section() for name, section in self.sections.items()})
         return self.accounting.report(sections, self.forwards - 1 if self.forwards else None)
 
     def close(self) -> None:

@@ -216,7 +216,7 @@ def _last_step(model: nn.Module) -> dict[str, Any]:
     report = daf.report(model)
     return {"raw_bytes": report.raw_bytes, "stored_bytes": report.stored_bytes, "ratio": report.ratio,
             "mean_code_bits": report.mean_code_bits, "sites": report.totals()["sites"],
-            "policy": report.sections.get("policy")}
+            "policy": report.sections.get("policy"), "audit": report.sections.get("audit")}
 
 
 def _median_step(seconds: list[float], trace_step: int) -> float | None:
