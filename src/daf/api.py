@@ -121,7 +121,7 @@ class _Attachment:
             handles.append(module.register_forward_hook(_Hook(functools.partial(self._end, leave), self._traced),
                                                         always_call=True))
         if self.audit is not None:  # before the root's _begin: the audit runs before the forward it audits
-            handles.append(model.register_forward_pre_hook(_Hook(self._audit), prepend=True, with_kwargs=True))
+            handles.append(model.register_forward_pre_hook(_Hook(self._audit, self._traced), prepend=True, with_kwargs=True))
         return handles
 
     def _audit(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:

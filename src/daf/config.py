@@ -94,23 +94,6 @@ def parse_size(value: int | str | None, name: str = "size") -> int | None:
     if size > _MAX_SIZE:  # no machine holds it: a typo, or "no limit" spelt as a number
         raise ValueError(f"Config.{name} must be {allowed}, got {value!r}")
     return size
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"Config.{name} must be positive, got {value}")
-        return value
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise ValueError(
-                f"Config.{name} could not parse {value!r}: write a number with an optional unit "
-                f"from B, KB, MB, GB, KiB, MiB, GiB, TiB (e.g. '512MiB')"
-            )
-        size = int(float(match.group(1)) * _SIZE_UNITS[unit])
-        if size <= 0:
-            raise ValueError(f"Config.{name} must be positive, got {value!r}")
-        return size
-    raise ValueError(f"Config.{name} must be a byte count or a string like '512MiB', got {value!r}")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -594,8 +577,10 @@ class Config:
         """Demotion goes down to ``min_bits`` from the width records are stored at: a floor above the Uniform
         policy's ``bits`` would never be reached, and says the caller meant something else. The default floor
         (2) stays allowed under ``bits=1``, which it has always accompanied."""
+        if not isinstance(self.policy, Uniform):  # widths per save: some are 8
+            return
         most = max(self.bits, Config.__dataclass_fields__["min_bits"].default)
-        if isinstance(self.policy, Uniform) and self.min_bits > most:
+        if self.min_bits > most:
             raise ValueError(f"Config.min_bits={self.min_bits} is above Config.bits={self.bits}: min_bits is the "
                              f"fewest bits demotion under a budget may go down to, so it must be one of "
                              f"{tuple(b for b in ALLOWED_BITS if b <= most)} (at most bits)")

@@ -150,7 +150,7 @@ def test_every_method(workload):
     for method in methods:
         assert set(method.to_dict()) == {"name", "daf", "checkpoint", "compile", "allocator", "decommit", "notes"}
         if method.daf is not None:
-            assert method.daf.bits == bits
+            assert method.daf.bits == bits or isinstance(method.daf.policy, Adaptive)  # an average, no width
             assert method.to_dict()["daf"] == method.daf.to_dict()
 
 

@@ -28,7 +28,7 @@ TINY = ["-O", "train_size=256", "-O", "eval_size=100", "--batch", "32", "--no-pr
                                              "--average 3"),
     (["train", "tiny-mnist", "--bits", "16"], "--bits: must be one of 1, 2, 4, 8 (the uniform policy's code width), "
                                               "got '16'\n"),
-    (["train", "tiny-mnist", "--policy", "greedy"], "invalid choice: 'greedy' (choose from 'uniform', 'adaptive')"),
+    (["train", "tiny-mnist", "--policy", "greedy"], "invalid choice: 'greedy' (choose from 'auto', 'uniform', 'adaptive')"),
     (["train", "tiny-mnist", "--average", "1.5"], "--average is the adaptive policy's average bits per element: "
                                                   "add --policy adaptive"),
     (["train", "tiny-mnist", "--policy", "uniform", "--average", "1.5"], "add --policy adaptive"),
@@ -86,10 +86,10 @@ def test_train_json_schema(tmp_path, capsys):
     assert data["command"].startswith("daf train tiny-mnist --steps 3")
     assert {"cpu", "cores", "torch", "daf"} <= set(data["machine"]) and data["date"]
     assert list(data["runs"]) == ["daf"] and set(RUN_KEYS) <= set(data["runs"]["daf"])
-    assert data["runs"]["daf"]["config"]["bits"] == 2
+    assert data["runs"]["daf"]["config"]["policy"]["kind"] == "auto"  # the default: no --bits given
     assert all(p.endswith(".png") and os.path.getsize(p) > 1000 for p in data["plots"])
     out = capsys.readouterr().out
-    assert "eval accuracy" in out and "DAF 2-bit" in out and "step ms" in out
+    assert "eval accuracy" in out and "DAF auto" in out and "step ms" in out
     from daf.cli.plots import replot
     assert all(os.path.getsize(p) > 1000 for p in replot(path, tmp_path / "again", "tiny"))
 
@@ -379,7 +379,7 @@ def test_floors_flag_sets_config_floors_and_the_label(tmp_path):
     run = json.loads(path.read_text())["runs"]["daf"]
     assert run["config"]["floors"] == {"linear": 8, "relu": 4}
     from daf.cli.table import config_label
-    assert config_label(run["config"]) == "DAF 2-bit floors linear=8,relu=4"
+    assert config_label(run["config"]) == "DAF auto floors linear=8,relu=4"
 
 
 def test_the_table_gives_the_gradient_audits_last_cosine():

@@ -145,7 +145,7 @@ def test_bytes():
 
 def test_outliers_cut_the_error_of_token_groups():
     x = _with_outliers((512, 256), channels=(7, 100))
-    plain = codes_codec(daf.Config(backend="reference"))
+    plain = codes_codec(daf.Config(backend="reference", codec=daf.MinMax()))
     error = {name: float((c.decode(c.encode(x, Spec(2, 1))) - x).square().mean())
              for name, c in {"minmax": plain, "outliers": _codec(axis="token")}.items()}
     assert error["outliers"] < error["minmax"] / 100
@@ -214,7 +214,7 @@ def test_config_validation_and_round_trip():
     config = daf.Config(codec=Outliers(fraction=0.02, axis="channel", derivatives=True))
     data = config.to_dict()
     assert data["codec"] == {"kind": "outliers", "fraction": 0.02, "axis": "channel", "derivatives": True,
-                             "min_channels": 16}
+                             "min_channels": 16, "above": 0.0}
     assert daf.Config.from_dict(data) == config
 
 

@@ -106,7 +106,7 @@ def test_attention_probabilities_stay_minmax():
     assert not isinstance(codec.encode(p, Spec(2, 0, "softmax")), DivisionPacked)
     assert isinstance(codec.encode(p, Spec(2, 0, "conv2d")), DivisionPacked)
     x = torch.randn(2, 4, 16, 16, requires_grad=True)
-    with daf.compress(codec=daf.Division(), min_numel=1, backend="reference") as session:
+    with daf.compress(bits=2, codec=daf.Division(), min_numel=1, backend="reference") as session:
         y = torch.softmax(x, -1) @ x  # softmax saves its 4-D output
     rows = [r for r in daf.report(session).rows if r.kind == "compressed" and "Softmax" in r.source]
     # no low-frequency part; the probabilities keep 4 bits (daf.policy.exponent_guard)

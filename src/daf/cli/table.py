@@ -73,6 +73,8 @@ def config_label(config: dict[str, Any]) -> str:
     'DAF adaptive 1.5-bit avg division'
     >>> config_label({"policy": {"kind": "adaptive", "average": 2.5, "generic": "floor"}, "version": 2})
     'DAF adaptive 2.5-bit avg (floor)'
+    >>> config_label({"bits": None, "policy": {"kind": "auto"}, "codec": {"kind": "outliers", "above": 8.0}})
+    'DAF auto'
     """
     policy, codec = config.get("policy", "uniform"), config.get("codec", "minmax")
     kind = policy.get("kind") if isinstance(policy, dict) else policy
@@ -89,6 +91,8 @@ def config_label(config: dict[str, Any]) -> str:
     codec_kind = codec.get("kind") if isinstance(codec, dict) else codec
     if codec_kind == "outliers" and isinstance(codec, dict) and codec.get("derivatives"):
         codec_kind = "outliers+derivatives"
+    elif codec_kind == "outliers" and isinstance(codec, dict) and codec.get("above"):
+        codec_kind = None  # the default's split, only where large channels are: not a choice worth a word
     label = label if codec_kind in ("minmax", None) else f"{label} {codec_kind}"
     floors = config.get("floors")
     return f"{label} floors {','.join(f'{op}={bits}' for op, bits in floors.items())}" if floors else label
