@@ -127,7 +127,8 @@ class _Attachment:
     def _audit(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """The root's forward pre-hook: count a training forward, and audit it when due (runtime/audit.py)."""
         if (not self._contexts and self._active(module) and id(module) not in self._compiled
-                and not torch.compiler.is_compiling()):
+                and not torch.compiler.is_compiling() and not _compiled_parts(module)):
+            # a compiled part would be compiled again for the slice's batch size: DAF causes no recompile
             self.audit.step(module, args, kwargs)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:

@@ -137,7 +137,7 @@ def test_training_with_native_and_reference_backends_gives_identical_gradients(e
     for backend in ("native", "reference"):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10))
-        daf.wrap(model, bits=2, min_numel=1, backend=backend)
+        daf.wrap(model, bits=2, min_numel=1, backend=backend, codec=daf.MinMax())
         model(torch.randn(300, 64)).square().sum().backward()
         assert daf.report(model).sections["codec"]["codec"] == f"minmax/{backend}"
         grads[backend] = [p.grad for p in model.parameters()]

@@ -66,7 +66,7 @@ def test_an_unregistered_type_is_refused_by_config():
     class Unknown:
         pass
 
-    with pytest.raises(ValueError, match=r"Config.policy must be one of daf.Uniform\(\), daf.Adaptive\(...\), .*"
+    with pytest.raises(ValueError, match=r"Config.policy must be one of daf.Auto\(...\), daf.Uniform\(\), daf.Adaptive\(...\), .*"
                                          r"others by daf.policy.register_policy\), got .*Unknown\(\)"):
         daf.Config(policy=Unknown())
 

@@ -28,7 +28,8 @@ strict xfails):
   (float16 near 65504 and float64 around 1e-60 are handled now and pinned as passing tests);
 - ``F.scaled_dot_product_attention`` with logits spread over a unit or more was one (its backward
   recomputed softmax from decoded q and k against the forward's exact logsumexp); the logsumexp is now
-  remade with the output, and both explicit tests below pass. The property still draws it with QK-norm;
+  remade with the output, and the large-logits test below passes (the QK-norm case the property found
+  is still a strict xfail). The property still draws attention with QK-norm;
 - an in-place change through an alias of a saved tensor whose own Python object is gone is missed.
 
 So inputs are ``randn * scale`` with ``scale`` in [0.5, 2], weights are torch's default
@@ -485,6 +486,8 @@ def test_sdpa_at_8_bits_with_large_logits():
     assert _cosine(plain.grads["<input>"], wrapped.grads["<input>"]) > COSINE
 
 
+@pytest.mark.xfail(strict=True, reason="still open: with the logsumexp remade and q, k bounded, this case stays "
+                   "at cosine 0.86 (the large-logits case above passes); not diagnosed yet")
 def test_sdpa_at_8_bits_with_qk_norm_found_by_the_property():
     # Found by the property: input gradient cosine 0.874. Ideal 8-bit codes of the same saved tensors give
     # 0.96 to 0.87 depending on where their grid starts: 8-bit q and k are not enough for this backward.

@@ -152,7 +152,8 @@ def test_tensor_saved_by_two_ops_is_stored_once():
 
 
 def test_relu_output_is_a_mask_for_relu_and_values_for_the_next_op():
-    model = daf.wrap(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)), min_numel=1)
+    model = daf.wrap(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)), bits=2, min_numel=1,
+                     audit=daf.Audit(every=0))
     model(torch.randn(32, 64)).sum().backward()
     rows = daf.report(model).rows
     relu_out = [r for r in rows if r.shape == (32, 256) and r.source == "ReluBackward0"]
