@@ -90,7 +90,7 @@ def applies(x: torch.Tensor, consumer: str | None = None, min_channels: int = MI
     return x.dim() in dims and x.shape[-1] >= max(min_channels, MIN_CHANNELS) and x.numel() // x.shape[-1] >= 2
 
 
-def outlier_channels(m: torch.Tensor, count: int) -> torch.Tensor:
+def outlier_channels(m: torch.Tensor, count: int, peak: torch.Tensor | None = None) -> torch.Tensor:
     """The ``count`` channels (columns) of ``m`` [R, C] with the largest max |m|, ascending. O(R * C).
 
     >>> outlier_channels(torch.tensor([[1.0, -9.0, 2.0], [0.0, 1.0, 3.0]]), 1).tolist()
@@ -98,7 +98,7 @@ def outlier_channels(m: torch.Tensor, count: int) -> torch.Tensor:
     """
     if count == 0:
         return torch.empty(0, dtype=torch.int64, device=m.device)
-    peak = largest_magnitude(m).float().nan_to_num(posinf=float("inf"), nan=float("inf"))
+    peak = (largest_magnitude(m) if peak is None else peak).float().nan_to_num(posinf=float("inf"), nan=float("inf"))
     return torch.topk(peak, count, sorted=False).indices.sort().values
 
 
@@ -133,7 +133,7 @@ def _stand_ins(index: torch.Tensor, channels: int) -> torch.Tensor:
     return torch.where((index - left).abs() <= (right - index).abs(), left, right)
 
 
-def split_channels(x: torch.Tensor, count: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+def split_channels(x: torch.Tensor, count: int, axis: str, peak: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                  torch.Tensor | None]:
     """(outlier index int64 [k], outlier values x.dtype [R, k], the matrix to code (contiguous), row scales).
 
@@ -144,7 +144,7 @@ def split_channels(x: torch.Tensor, count: int, axis: str) -> tuple[torch.Tensor
     token) from setting the range of every channel's group. O(numel).
     """
     m = x.detach().reshape(-1, x.shape[-1])
-    index = outlier_channels(m, count)
+    index = outlier_channels(m, count, peak)  # peak: the columns' max |m|, when the caller has it
     values = m.index_select(1, index)
     if axis == "channel":
         # Transposed first, then whole rows picked: a column gather and a strided transpose are what
@@ -216,23 +216,27 @@ class ChannelCodec:
     def encode(self, x: torch.Tensor, spec: Spec) -> Packed:
         if self.consumer_only(x, spec):
             return self.derivative.encode(x, spec)
-        if not applies(x, spec.consumer, self.config.min_channels) or not self._large_channels(x):
+        peak = self._peak_if_large(x) if applies(x, spec.consumer, self.config.min_channels) else None
+        if peak is None:
             return self.minmax.encode(x, spec)
         axis = self.config.axis
-        index, values, coded, scale = split_channels(x, self.outlier_count(x.shape[-1]), axis)
+        index, values, coded, scale = split_channels(x, self.outlier_count(x.shape[-1]), axis,
+                                                     None if self.config.above == 0 else peak)
         group = self.minmax.group_size
         if axis == "channel":
             group = _token_group(coded.shape[1], group)
         packed = encode(coded, spec.bits, group, self.minmax.rounding, spec.seed, self.minmax.backend)
         return ChannelPacked.of(packed, tuple(x.shape), axis, index, values, scale)
 
-    def _large_channels(self, x: torch.Tensor) -> bool:
-        """Whether ``x``'s largest channel peak is at least ``above`` times the median channel's (always, at 0):
-        without such channels MinMax's groups lose nothing to them and cost less."""
+    def _peak_if_large(self, x: torch.Tensor) -> torch.Tensor | bool | None:
+        """The columns' max |x| when the largest is at least ``above`` times the median (True, not computed,
+        at ``above`` 0: always split); None where there are no large channels (MinMax costs less then).
+        The split reuses the magnitudes instead of computing them again."""
         if self.config.above == 0:
             return True
-        peak = largest_magnitude(x.detach().reshape(-1, x.shape[-1])).float()
-        return bool(peak.max() >= self.config.above * peak.median())
+        peak = largest_magnitude(x.detach().reshape(-1, x.shape[-1]))
+        large = peak.float()
+        return peak if bool(large.max() >= self.config.above * large.median()) else None
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if isinstance(packed, DerivativePacked):
