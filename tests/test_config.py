@@ -15,7 +15,7 @@ from daf.config import CONFIG_VERSION, parse_size
 def test_defaults_are_valid():
     c = Config()
     assert (c.bits, c.group_size, c.rounding, c.policy, c.codec) == (None, 256, "stochastic", Auto(),
-                                                                      Outliers(above=8.0))
+                                                                      Outliers(above=8.0, min_channels=32))
     assert (daf.Auto, daf.Uniform, daf.Adaptive, daf.MinMax, daf.Division) == (Auto, Uniform, Adaptive, MinMax, Division)
 
 

@@ -504,7 +504,7 @@ class Config:
     min_numel: int = 4096
     seed: int = 0
     policy: Auto | Uniform | Adaptive = Auto()
-    codec: MinMax | Division | Outliers = Outliers(above=8.0)
+    codec: MinMax | Division | Outliers = Outliers(above=8.0, min_channels=32)
     backend: str = "auto"
     budget: int | str | None = None
     min_bits: int = 2

@@ -254,3 +254,31 @@ def test_saves_with_fewer_channels_than_min_channels_use_minmax():
         narrow, Spec(2, seed=0)), ChannelPacked)
     minmax = codes_codec(daf.Config(backend="reference")).encode(narrow, Spec(2, seed=0))
     assert codec.encode(narrow, Spec(2, seed=0)).nbytes == minmax.nbytes
+
+
+@pytest.mark.parametrize("bits, split", [(2, False), (4, True), (8, True)])
+def test_an_nchw_feature_map_with_large_channels_read_by_a_convolution_is_split_along_dimension_1(bits, split):
+    """A ConvNeXt's LayerNorm output read by its downsampling convolution: the large channels are in
+    dimension 1. At 4 bits and more they are kept exact (the record restores the NCHW shape); 2-bit feature
+    maps (ReLU CNNs) are not checked (MinMax)."""
+    codec = codes_codec(daf.Config(backend="reference"))  # the default: Outliers(above=8, min_channels=32)
+    x = torch.randn(4, 32, 6, 6)
+    x[:, 5] *= 60
+    packed = codec.encode(x, Spec(bits, seed=0, consumer="conv2d"))
+    assert isinstance(packed, ChannelPacked) == split
+    y = codec.decode(packed)
+    assert y.shape == x.shape
+    if split:
+        assert packed.channel_dim == 1 and 5 in packed.outlier_index.tolist()
+        assert torch.equal(y[:, 5], x[:, 5])
+        again = codec.decode(codec.reencode(packed, 2, seed=1))
+        assert again.shape == x.shape and torch.equal(again[:, 5], x[:, 5])
+    inliers = torch.cat([x[:, :5], x[:, 6:]], 1)
+    error = (torch.cat([y[:, :5], y[:, 6:]], 1) - inliers).abs().max() / inliers.abs().max()
+    assert error < (0.2 if bits == 4 else 0.02) or not split
+
+
+def test_an_nchw_feature_map_without_large_channels_is_coded_as_minmax():
+    codec = codes_codec(daf.Config(backend="reference"))
+    x = torch.randn(4, 32, 6, 6)
+    assert type(codec.encode(x, Spec(4, seed=0, consumer="conv2d"))) is not ChannelPacked

@@ -57,11 +57,23 @@ def test_each_save_gets_the_width_of_its_rule():
     ("AddBackward0", "layer_norm", 3, "bits"),
     ("NativeLayerNormBackward0", "linear", 3, "bits"),
     ("ReluBackward0", "relu", 2, "bits"),  # a 2-D save is no feature map
+    # A ConvNeXt's: a convolution reads a LayerNorm's output (through a permute) or the residual stream
+    ("PermuteBackward0", "conv2d", 4, "bits"),
+    ("AddBackward0", "conv2d", 4, "bits"),
+    ("NativeLayerNormBackward0", "conv2d", 4, "bits"),
+    ("MaxPool2DWithIndicesBackward0", "conv2d", 4, "feature_map_bits"),
+    ("CatBackward0", "conv2d", 4, "feature_map_bits"),  # a U-Net's skip connection
 ])
 def test_rule_table(node, op, dim, field):
     x = _tensor_made_by(node, dim)
     call = _Call(op)
     assert AutoPolicy.rule(x, call) == field
+
+
+def test_a_convnext_style_feature_map_after_a_layer_norm_says_why_it_got_bits():
+    x = _tensor_made_by("PermuteBackward0", 4)
+    assert AutoPolicy(AUTO).reason(x, _Call("conv2d")) == "auto: feature map made by a norm or an add, not a ReLU CNN's"
+    assert AutoPolicy(AUTO).reason(_tensor_made_by("ReluBackward0", 4), _Call("conv2d")) == "auto: feature map"
 
 
 def test_config_widths_are_checked():
@@ -118,7 +130,9 @@ def _tensor_made_by(node: str, dim: int) -> torch.Tensor:
     x = torch.randn(shape, requires_grad=True)
     made = {"TanhBackward0": torch.tanh, "SigmoidBackward0": torch.sigmoid,
             "SoftmaxBackward0": lambda t: torch.softmax(t, -1), "ReluBackward0": torch.relu,
-            "AddBackward0": lambda t: t + 1, "ConvolutionBackward0": None, "NativeLayerNormBackward0": None}[node]
+            "AddBackward0": lambda t: t + 1, "ConvolutionBackward0": None, "NativeLayerNormBackward0": None,
+            "PermuteBackward0": lambda t: t.permute(0, 3, 1, 2), "CatBackward0": lambda t: torch.cat([t, t], 1),
+            "MaxPool2DWithIndicesBackward0": lambda t: F.max_pool2d(t, 1)}[node]
     if made is None:
         made = (lambda t: F.layer_norm(t, t.shape[-1:])) if node == "NativeLayerNormBackward0" else _convolved
     out = made(x)

@@ -18,7 +18,11 @@ whatever the session's backend is), so the page pool stores and spills it like a
 ``exact``, ``outliers`` and ``s`` ride in the record's header (side bytes). Cost per element:
 ``bits + 32 / G`` for the codes plus ``k * dtype_bits / C`` (+ ``32 / C`` for ``s``); with 1% of 576
 channels in float32, 0.39 bit. Other saves (1-D; 4-D attention maps and NCHW feature maps; fewer
-channels, where that side cost would reach a bit per element) use MinMax unchanged. Why per channel with token scales: docs/transformers.md, section 2.
+channels, where that side cost would reach a bit per element) use MinMax unchanged, except an NCHW
+feature map read by a convolution at 4 bits or more (a ConvNeXt's LayerNorm output, whose large
+channels sit in dimension 1): it is split as ``x.movedim(1, -1)`` and put back after decoding
+(``channel_dim`` 1). 2-bit feature maps (``daf.Auto``'s ReLU-CNN path, validated without the split)
+are not checked, which saves the pass over them that the check costs. Why per channel with token scales: docs/transformers.md, section 2.
 The packed form is format 1's ``Packed`` plus these fields: docs/format.md, "Outlier channels".
 
 >>> import daf
@@ -43,11 +47,15 @@ from daf.codec.spec import Spec
 from daf.config import Outliers
 from daf.format import Packed
 
-__all__ = ["ChannelCodec", "ChannelPacked", "applies", "outlier_channels", "split_channels", "join_channels",
-           "MIN_CHANNELS", "CHANNELS_LAST_CONSUMERS"]
+__all__ = ["ChannelCodec", "ChannelPacked", "applies", "channel_dim", "outlier_channels", "split_channels", "join_channels",
+           "MIN_CHANNELS", "CHANNELS_LAST_CONSUMERS", "CHANNELS_FIRST_CONSUMERS"]
 
 MIN_CHANNELS = 16
 CHANNELS_LAST_CONSUMERS = frozenset({"layer_norm", "linear"})
+# Ops that read an [N, C, ...] feature map, whose channels are dimension 1.
+CHANNELS_FIRST_CONSUMERS = frozenset({"conv1d", "conv2d", "conv3d"})
+# Feature maps coded with fewer bits are not checked for large channels (module docstring).
+_CHANNELS_FIRST_MIN_BITS = 4
 # Groups along tokens shorter than this cost more metadata than they save in range (32/16 = 2 bits each).
 _MIN_TOKEN_GROUP = 16
 
@@ -56,13 +64,16 @@ _MIN_TOKEN_GROUP = 16
 class ChannelPacked(Packed):
     """Format-1 record of the coded matrix (``shape`` [R, C], or [C - k, R] for axis "channel")
     plus what restores ``x``: ``full_shape``, ``axis``, ``outlier_index`` int64 [k],
-    ``outlier_values`` x.dtype [R, k] and, for axis "channel", ``row_scale`` float32 [R]."""
+    ``outlier_values`` x.dtype [R, k], for axis "channel", ``row_scale`` float32 [R], and ``channel_dim``:
+    -1, or 1 where ``x`` was an NCHW feature map split as ``x.movedim(1, -1)`` (``full_shape`` is that
+    view's)."""
 
     full_shape: tuple[int, ...] = ()
     axis: str = "channel"
     outlier_index: torch.Tensor | None = None
     outlier_values: torch.Tensor | None = None
     row_scale: torch.Tensor | None = None
+    channel_dim: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -71,10 +82,10 @@ class ChannelPacked(Packed):
 
     @classmethod
     def of(cls, coded: Packed, full_shape: tuple[int, ...], axis: str, index: torch.Tensor,
-           values: torch.Tensor, row_scale: torch.Tensor | None) -> "ChannelPacked":
+           values: torch.Tensor, row_scale: torch.Tensor | None, channel_dim: int = -1) -> "ChannelPacked":
         return cls(**{f.name: getattr(coded, f.name) for f in dataclasses.fields(Packed)},
                    full_shape=full_shape, axis=axis, outlier_index=index, outlier_values=values,
-                   row_scale=row_scale)
+                   row_scale=row_scale, channel_dim=channel_dim)
 
     def codes(self) -> Packed:
         """The format-1 record of the coded matrix alone."""
@@ -88,6 +99,17 @@ def applies(x: torch.Tensor, consumer: str | None = None, min_channels: int = MI
     maps [N, C, H, W]) is no channel."""
     dims = (2, 3, 4) if consumer in CHANNELS_LAST_CONSUMERS else (2, 3)
     return x.dim() in dims and x.shape[-1] >= max(min_channels, MIN_CHANNELS) and x.numel() // x.shape[-1] >= 2
+
+
+def channel_dim(x: torch.Tensor, spec: Spec, min_channels: int = MIN_CHANNELS) -> int | None:
+    """The dimension of ``x`` holding the channels the codec may split: -1 where ``applies``, 1 for an
+    NCHW feature map [N, C, ...] that a convolution reads at ``_CHANNELS_FIRST_MIN_BITS`` or more; None
+    where the codec does not split ``x``."""
+    if applies(x, spec.consumer, min_channels):
+        return -1
+    first = (spec.consumer in CHANNELS_FIRST_CONSUMERS and spec.bits >= _CHANNELS_FIRST_MIN_BITS
+             and 3 <= x.dim() <= 5 and x.shape[1] >= max(min_channels, MIN_CHANNELS))
+    return 1 if first and x.numel() // x.shape[1] >= 2 else None
 
 
 def outlier_channels(m: torch.Tensor, count: int, peak: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,17 +238,19 @@ class ChannelCodec:
     def encode(self, x: torch.Tensor, spec: Spec) -> Packed:
         if self.consumer_only(x, spec):
             return self.derivative.encode(x, spec)
-        peak = self._peak_if_large(x) if applies(x, spec.consumer, self.config.min_channels) else None
+        dim = channel_dim(x, spec, self.config.min_channels)
+        split = x if dim in (None, -1) else x.movedim(dim, -1)
+        peak = None if dim is None else self._peak_if_large(split)
         if peak is None:
             return self.minmax.encode(x, spec)
         axis = self.config.axis
-        index, values, coded, scale = split_channels(x, self.outlier_count(x.shape[-1]), axis,
+        index, values, coded, scale = split_channels(split, self.outlier_count(split.shape[-1]), axis,
                                                      None if self.config.above == 0 else peak)
         group = self.minmax.group_size
         if axis == "channel":
             group = _token_group(coded.shape[1], group)
         packed = encode(coded, spec.bits, group, self.minmax.rounding, spec.seed, self.minmax.backend)
-        return ChannelPacked.of(packed, tuple(x.shape), axis, index, values, scale)
+        return ChannelPacked.of(packed, tuple(split.shape), axis, index, values, scale, dim)
 
     def _peak_if_large(self, x: torch.Tensor) -> torch.Tensor | bool | None:
         """The columns' max |x| when the largest is at least ``above`` times the median (True, not computed,
@@ -242,8 +266,9 @@ class ChannelCodec:
         if isinstance(packed, DerivativePacked):
             return self.derivative.decode(packed)
         if isinstance(packed, ChannelPacked):
-            return join_channels(self.minmax.decode(packed.codes()), packed.outlier_index, packed.outlier_values,
-                                 packed.full_shape, packed.axis, packed.row_scale)
+            x = join_channels(self.minmax.decode(packed.codes()), packed.outlier_index, packed.outlier_values,
+                              packed.full_shape, packed.axis, packed.row_scale)
+            return x if packed.channel_dim == -1 else x.movedim(-1, packed.channel_dim)
         return self.minmax.decode(packed)
 
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
@@ -255,4 +280,4 @@ class ChannelCodec:
         coded = encode(self.minmax.decode(packed.codes()), bits, packed.group_size, self.minmax.rounding, seed,
                        self.minmax.backend)
         return ChannelPacked.of(coded, packed.full_shape, packed.axis, packed.outlier_index, packed.outlier_values,
-                                packed.row_scale)
+                                packed.row_scale, packed.channel_dim)
