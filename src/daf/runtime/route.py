@@ -87,12 +87,15 @@ class Remake:
     """How a save is remade in backward: ``function(*decoded records)``. ``bits``: the coarsest code width
     among the records (32 for one kept raw), which bounds the remade tensor's error. ``with_statistic``:
     ``function`` returns the tensor and a statistic that the same op saved beside it (fused attention's
-    logsumexp), remade together so that backward sees the two agree."""
+    logsumexp), remade together so that backward sees the two agree. ``rule``: the name of the remake rule
+    that found it (``daf.runtime.remakes``); ``why``: the report's reason (what, from which records)."""
 
     records: tuple[Any, ...]
     function: Callable[..., Any]
     bits: int
     with_statistic: bool = False
+    rule: str = ""
+    why: str = ""
 
 
 @dataclass(frozen=True)
