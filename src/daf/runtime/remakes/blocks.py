@@ -143,8 +143,8 @@ class NormBlockRule:
         if mask is not None and expression is not None:
             index = walk.leaf(mask)
             expression = None if index is None else _Masked(expression.child, index.index)
-        if expression is None or not walk.leaves or not walk.norms:
-            return None  # no norm in it: an activation of a record is the activation rule's
+        if expression is None or isinstance(expression, _Leaf):
+            return None
         leaves = tuple(walk.leaves)
         bits = min(_bits(leaf) for leaf in leaves)  # an exact mask: 32
         if _activated(expression):
@@ -158,10 +158,11 @@ _TOP = frozenset({*_ACTIVATIONS, "AddBackward0", "NativeBatchNormBackward0", "Na
 
 
 class _Walk:
-    """One walk back from a saved tensor's node: the expression, its leaves (records) and norms met."""
+    """One walk back from a saved tensor's node: the expression and its leaves (records). A record found
+    ends the walk there, a remade one too (SiLU's input, remade from the norm's, is the leaf of SiLU's output)."""
 
     def __init__(self, records: Records) -> None:
-        self.records, self.leaves, self.nodes, self.norms = records, [], 0, 0
+        self.records, self.leaves, self.nodes = records, [], 0
 
     def expression(self, node: Any, output_nr: int, top: bool = False) -> Any:
         if node is None:
@@ -217,7 +218,6 @@ class _Walk:
         child = self.expression(*node.next_functions[0])
         if child is None:
             return None
-        self.norms += 1
         held = tuple((label, t, t._version) for label, t in
                      (("mean", mean), ("rstd", rstd), ("weight", weight), ("bias", bias)) if t is not None)
         return _Norm(child, groups, mean, rstd, weight, bias, held)
