@@ -57,6 +57,7 @@ def test_each_save_gets_the_width_of_its_rule():
     ("AddBackward0", "layer_norm", 3, "bits"),
     ("NativeLayerNormBackward0", "linear", 3, "bits"),
     ("ReluBackward0", "relu", 2, "bits"),  # a 2-D save is no feature map
+    ("ConvolutionBackward0", "group_norm", 4, "bits"),  # its output and the activation's are remade from it
 ])
 def test_rule_table(node, op, dim, field):
     x = _tensor_made_by(node, dim)
