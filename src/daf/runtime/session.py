@@ -45,7 +45,8 @@ class Session:
                  store: Store | None = None, remakes: Remakes | None = None) -> None:
         self.config = config
         self.min_numel = config.min_numel
-        self.remakes = remakes if remakes is not None else Remakes()  # the rules that remake saves (records.Records: self)
+        # The rules that remake saves; they read this forward's records through this session (remakes.Records)
+        self.remakes = remakes if remakes is not None else Remakes()
         self.codecs = codecs if codecs is not None else Codecs(config)
         self.policy = policy if policy is not None else make_policy(config)
         self.store = store if store is not None else make_store(config, self.codecs.reencode)

@@ -149,9 +149,10 @@ class NormBlockRule:
         bits = min(_bits(leaf) for leaf in leaves)  # an exact mask: 32
         if _activated(expression):
             bits -= self.lost_bits
-        function = functools.partial(_evaluate_checked, expression=expression, shape=tuple(tensor.shape))
+        function = functools.partial(_remade, expression=expression, shape=tuple(tensor.shape))
         sites = ", ".join(getattr(leaf, "site", "?") for leaf in leaves)
-        return Remake(leaves, function, bits, rule=self.name, why=f"{self.name}: remade as {_describe(expression)} from {sites}")
+        why = f"{self.name}: remade as {_describe(expression)} from {sites}"
+        return Remake(leaves, function, bits, rule=self.name, why=why)
 
 
 _TOP = frozenset({*_ACTIVATIONS, "AddBackward0", "NativeBatchNormBackward0", "NativeGroupNormBackward0"})
@@ -250,7 +251,7 @@ def _describe(expression: Any) -> str:
 
 
 # -- backward ------------------------------------------------------------------------------------------
-def _evaluate_checked(*leaves: torch.Tensor, expression: Any, shape: tuple[int, ...]) -> torch.Tensor:
+def _remade(*leaves: torch.Tensor, expression: Any, shape: tuple[int, ...]) -> torch.Tensor:
     return _evaluate(expression, leaves).reshape(shape)
 
 
