@@ -12,7 +12,10 @@ one ``Remakes`` (as it owns its ``Codecs``), asks it once per save that routing 
 | ``head_log_probabilities`` | log_softmax of a linear head's logits | an 8-bit record of the head's input |
 | ``norm_block`` | a CNN block: act(norm(x) [+ shortcut]), batch or group norm, ReLU/SiLU/GELU | the norm input's record, its statistics and affine parameters, the shortcut's record (itself remade or stored) |
 
-Which records a remade save reads, and what it checks in backward, each rule's module says.
+A ``Remake``'s ``bits`` is what its error is worth (the coarsest record's width; for ``norm_block`` through
+an activation one bit less): routing remakes a save only where that is at least the width the policy gives
+it, and keeps codes elsewhere (``daf.runtime.route.derives``; the report's ``why`` says which). Which records
+a remade save reads, and what it checks in backward, each rule's module says.
 """
 
 from __future__ import annotations
