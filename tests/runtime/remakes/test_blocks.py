@@ -228,3 +228,15 @@ def test_the_saved_output_changed_in_place_raises_like_autograd():
     h.mul_(2)  # after the conv saved it
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("setting", [{"background": True}, {"channels_last": True}])
+def test_remade_from_records_packed_in_the_background_or_decoded_channels_last(setting):
+    torch.manual_seed(0)
+    plain = Net()
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    reference = _grads(plain, x, y)
+    model = daf.wrap(copy.deepcopy(plain), audit=daf.Audit(every=0), floors={"batch_norm": 8}, **setting)
+    got = _grads(model, x, y)
+    assert sum(1 for r in daf.report(model).rows if r.why.startswith("norm_block: remade")) >= 6
+    assert F.cosine_similarity(got, reference, dim=0) > 0.999
