@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from daf.allocator import status as allocator_status
 from daf.codec import Codecs, Spec

@@ -21,7 +21,7 @@ a remade save reads, and what it checks in backward, each rule's module says.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
