@@ -82,3 +82,13 @@ def node_named(root: torch.Tensor, name: str) -> object:
             return node
         todo.extend(edge[0] for edge in node.next_functions)
     raise AssertionError(f"no {name} behind the output")
+
+
+def without_rule(model: nn.Module, name: str) -> None:
+    """Turn one remake rule off in ``model``'s session (the save is stored as before the rule existed)."""
+    import daf
+    from daf.runtime.remakes import Remakes
+
+    session = daf.session_of(model)
+    assert name in session.remakes.names, (name, session.remakes.names)
+    session.remakes = Remakes([rule for rule in session.remakes.rules if rule.name != name])

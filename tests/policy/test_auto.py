@@ -63,6 +63,7 @@ def test_each_save_gets_the_width_of_its_rule():
     ("NativeLayerNormBackward0", "conv2d", 4, "bits"),
     ("MaxPool2DWithIndicesBackward0", "conv2d", 4, "feature_map_bits"),
     ("CatBackward0", "conv2d", 4, "feature_map_bits"),  # a U-Net's skip connection
+    ("ConvolutionBackward0", "group_norm", 4, "bits"),  # its output and the activation's are remade from it
 ])
 def test_rule_table(node, op, dim, field):
     x = _tensor_made_by(node, dim)

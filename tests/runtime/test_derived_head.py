@@ -149,14 +149,14 @@ def test_a_head_changed_in_place_before_backward_raises() -> None:
 
 
 def test_remade_once_for_log_softmax_and_nll_loss() -> None:
-    import daf.runtime.session as session_module
+    import daf.runtime.remakes.heads as heads_module
 
     calls = []
     torch.manual_seed(0)
     model = daf.wrap(TinyLM(), daf.Config(bits=4, min_numel=64, audit=daf.Audit(every=0)))  # counts calls
     with pytest.MonkeyPatch.context() as patch:
-        original = session_module.head_log_probabilities
-        patch.setattr(session_module, "head_log_probabilities", lambda *a, **k: calls.append(1) or original(*a, **k))
+        original = heads_module.head_log_probabilities
+        patch.setattr(heads_module, "head_log_probabilities", lambda *a, **k: calls.append(1) or original(*a, **k))
         model(_ids()).backward()
     assert [row.kind for row in _rows(model) if row.source == "LogSoftmaxBackward0"] == ["derived", "shared"]
     assert len(calls) == 1

@@ -97,13 +97,14 @@ class DerivedActivation:
     ``function`` of the decoded records, whose error is theirs through the function (|f'| <= 1.13 for
     the activations), in place of a second set of codes of its own. The records stay alive with it."""
 
-    __slots__ = ("records", "function", "dtype", "site", "source", "unpack_record", "readers", "__weakref__")
+    __slots__ = ("records", "function", "dtype", "site", "source", "unpack_record", "readers", "bits", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, records: tuple[Any, ...], function: Callable[..., torch.Tensor],
                  site: str, source: _VersionCheck, unpack_record: Callable[[Any], torch.Tensor]) -> None:
         self.records, self.function, self.dtype = records, function, tensor.dtype
         self.site, self.source, self.unpack_record = site, source, unpack_record
         self.readers = None  # any op that saves the same tensor again may share it
+        self.bits = 32  # the coarsest code width of what it is remade from (a remake of it asks; set by the session)
 
     def unpack(self) -> torch.Tensor:
         self.source.check(self.site)

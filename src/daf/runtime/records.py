@@ -93,14 +93,15 @@ class NoCheck:
 NO_CHECK = NoCheck()
 
 
-def remake_from(records: list[Any], function: Any, with_statistic: bool = False) -> Remake | None:
+def remake_from(records: list[Any], function: Any, with_statistic: bool = False, rule: str = "",
+                why: str = "") -> Remake | None:
     """A remake from ``records`` when each decodes to its tensor for any op (kept raw, or codes read by
     all), its bits the coarsest of them (32 for a raw one or an exact mask: an attention call's 0/-inf
     padding mask adds no error)."""
     if not all(isinstance(r, Kept) or (isinstance(r, Saved) and r.readers is None) for r in records):
         return None
     return Remake(tuple(records), function,
-                  min(r.bits if isinstance(r, Saved) and not r.exact else 32 for r in records), with_statistic)
+                  min(r.bits if isinstance(r, Saved) and not r.exact else 32 for r in records), with_statistic, rule, why)
 
 
 def check_version(tensor: torch.Tensor, version: int, site: str) -> None:

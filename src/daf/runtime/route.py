@@ -16,12 +16,11 @@ In order (the first that holds decides):
    multiplies by it;
 4. an earlier save of the same tensor in this forward is stored: shared; a product of a stored
    tensor and a stored exact mask (dropout's output, ``daf.tracing.products``): derived from the two
-   records, nothing stored and no error added; SiLU's or GELU's output whose input is stored (a
-   gated MLP's ``silu(gate)``), or LayerNorm's or RMSNorm's (a layer's output, read by the next
-   layer's LoRA adapters), or fused attention's on a CPU whose q, k and v are kept, or the
-   probabilities of attention's math path whose scores' operands are kept: derived, recomputed from
-   the input records (and the norm's saved statistics, the attention call's mask), unless the policy
-   gives it more bits than the coarsest of those records has;
+   records, nothing stored and no error added; a save a remake rule finds (``daf.runtime.remakes``:
+   SiLU's or GELU's output whose input is stored, LayerNorm's or RMSNorm's, fused attention's output
+   on a CPU, the math path's probabilities, a head's log-probabilities, a CNN block's
+   ``act(norm(x) [+ shortcut])``): derived, recomputed from the records, unless the policy gives it
+   more bits than the remake's ``bits`` (what its records are worth through it);
 5. two values only (dropout masks): an exact mask;
 6. a ReLU output whose mask is stored, under a policy that codes nonzeros only: the codes of
    its nonzeros (``nonzeros``);
@@ -87,12 +86,15 @@ class Remake:
     """How a save is remade in backward: ``function(*decoded records)``. ``bits``: the coarsest code width
     among the records (32 for one kept raw), which bounds the remade tensor's error. ``with_statistic``:
     ``function`` returns the tensor and a statistic that the same op saved beside it (fused attention's
-    logsumexp), remade together so that backward sees the two agree."""
+    logsumexp), remade together so that backward sees the two agree. ``rule``: the name of the remake rule
+    that found it (``daf.runtime.remakes``); ``why``: the report's reason (what, from which records)."""
 
     records: tuple[Any, ...]
     function: Callable[..., Any]
     bits: int
     with_statistic: bool = False
+    rule: str = ""
+    why: str = ""
 
 
 @dataclass(frozen=True)

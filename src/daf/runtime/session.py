@@ -6,14 +6,12 @@ lives at module level. ``pack`` and ``unpack`` are the saved-tensor hooks.
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from daf.allocator import status as allocator_status
 from daf.codec import Codecs, Spec
@@ -26,28 +24,28 @@ from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedAttention, DerivedProduct, DerivedStatistic
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
-from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version, remake_from
-from daf.runtime.route import Context, Encoding, Kind, Remake, compressible, route
+from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version
+from daf.runtime.remakes import ABSENT, LinearCalls, NormCalls, Remakes
+from daf.runtime.route import Context, Encoding, Kind, route
 from daf.runtime.snapshots import MaskCopies
-from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, activation_output_of,
-                         attention_map_of, attention_output_of, head_log_probabilities, is_parameter, made_in_call,
-                         masked_product_of, nodes_behind, nodes_made_by, normalized_output_of, parameter_storages,
-                         rms_normalized_output_of, tensors_in)
-from daf.tracing.log_probabilities import logits_unchanged
+from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call,
+                         masked_product_of, nodes_made_by, parameter_storages, tensors_in)
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["Session"]
 
 _MASK32 = 0xFFFFFFFF
-_ABSENT = object()  # _record_behind: the node saved None (an optional tensor it was not given)
 
 
 class Session:
     """Config, codecs, policy, store and accounting of one wrapped model."""
 
     def __init__(self, config: Config, codecs: Codecs | None = None, policy: Policy | None = None,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, remakes: Remakes | None = None) -> None:
         self.config = config
+        self.min_numel = config.min_numel
+        # The rules that remake saves; they read this forward's records through this session (remakes.Records)
+        self.remakes = remakes if remakes is not None else Remakes()
         self.codecs = codecs if codecs is not None else Codecs(config)
         self.policy = policy if policy is not None else make_policy(config)
         self.store = store if store is not None else make_store(config, self.codecs.reencode)
@@ -63,19 +61,17 @@ class Session:
         self._outputs: dict[tuple[int, int], tuple[Any, Saved]] = {}
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
-        # Linear calls of this forward by their output's node: (node, weakref to the input, its version, weight,
-        # bias, (weakref to the output, its version)), so that log-probabilities made from a head's output can be
-        # remade from its input (``_head_remake``)
-        self._linears: dict[tuple[int, int], tuple[Any, weakref.ref, int, torch.Tensor, torch.Tensor | None,
-                                                   tuple[weakref.ref, int]]] = {}
+        # Linear and norm calls of this forward by their output's node, which remake rules read (a head's input
+        # and weight; a norm's affine parameters, which autograd does not save)
+        self.linears, self.norms = LinearCalls(), NormCalls()
         # Fused attention's logsumexp kept in a call still running, by the call: remade with the call's output
         # if that is remade (autograd saves the logsumexp first). (call, record, its report row)
         self._statistics: dict[int, tuple[OpCall, DerivedStatistic, int]] = {}
         # Nodes made by calls whose saves went through this session's pack hook (id -> node, kept alive
-        # with it): the only nodes whose saves it reads (``_readable``).
+        # with it): the only nodes whose saves it reads (``readable``).
         self._made_here: dict[int, Any] = {}
         self._mask_copies = MaskCopies()  # what remade attention probabilities read in backward, not the live mask
-        # (thread, records) while _record_behind reads a graph node's _saved_*: another thread's unpacks go on
+        # (thread, records) while record_behind reads a graph node's _saved_*: another thread's unpacks go on
         self._captured: tuple[int, list[Any]] | None = None
         self._parameter_storages: set[int] = set()
         self.packer = BackgroundPacker(self.codecs.serial_twin()) if config.background else None
@@ -106,7 +102,8 @@ class Session:
         self._relu_masks.clear()
         self._outputs.clear()
         self._remade.clear()
-        self._linears.clear()
+        self.linears.clear()
+        self.norms.clear()
         self._statistics.clear()
         self._made_here.clear()
         self._mask_copies.clear()
@@ -121,7 +118,8 @@ class Session:
         self._relu_masks.clear()
         self._outputs.clear()
         self._remade.clear()
-        self._linears.clear()
+        self.linears.clear()
+        self.norms.clear()
         self._statistics.clear()
         self._made_here.clear()
         self._mask_copies.clear()
@@ -145,6 +143,8 @@ class Session:
         encoding = route(tensor, context)
         saved, stored = self._keep(encoding, tensor, context)
         why = self._why.reason if encoding.kind in (Kind.CODES, Kind.NONZEROS, Kind.RAW) else ""
+        if context.remake is not None:  # remade, or why not
+            why = context.remake.why if encoding.data is context.remake else _not_remade(why, context.remake, encoding)
         row = self.accounting.add(site, tensor, encoding, stored, why)
         if isinstance(saved, Saved) and saved.pending is not None:
             saved.row = row  # its bytes are filled in when the background pack is collected
@@ -166,17 +166,17 @@ class Session:
         if encoding.kind is Kind.DERIVED and encoding.data is context.remake:
             remake = encoding.data
             self.policy.watch(context.site, tensor, remake.bits, derived=True)
-            headed = any(isinstance(r, HeadInput) for r in remake.records)
             records = tuple(self._encode_head_input(r, context.site) if isinstance(r, HeadInput) else r
                             for r in remake.records)
             kind = DerivedAttention if remake.with_statistic else DerivedActivation
             derived = kind(tensor, records, remake.function, context.site, Source(tensor), self.unpack)
+            derived.bits = remake.bits
             if remake.with_statistic:
                 self._remake_statistic(context.op, derived)
             if tensor.grad_fn is not None:
                 self._remade[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, derived)
-            if headed:  # log-probabilities, saved again by cross_entropy's nll_loss: shared, not remade twice
-                self._shared.put(tensor, derived)
+            if not remake.with_statistic:  # saved again (log-probabilities by nll_loss, a block's output by the
+                self._shared.put(tensor, derived)  # shortcut's conv): shared, not remade twice
             return derived, 0
         if encoding.kind is Kind.DERIVED:
             x, mask = encoding.data
@@ -212,7 +212,7 @@ class Session:
         if op is not None:  # a tensor this very call made (an op saving its own output): its node saves through us now
             self._mark_made_here(nodes_made_by([tensor], op.argument_nodes, most=4))
         return Context(**common, input_made_here=input_made_here, product_of=self._product_of(tensor),
-                       remake=self._remake_of(tensor, op), shared=self._shareable(tensor, op),
+                       remake=self.remakes.find(tensor, op, self), shared=self._shareable(tensor, op),
                        relu_mask=self._relu_masks.get(tensor))
 
     def _shareable(self, tensor: torch.Tensor, op: OpCall | None) -> "Saved | None":
@@ -227,68 +227,24 @@ class Session:
         product = masked_product_of(tensor) if self.config.masks else None
         if product is None:
             return None
-        x = self._record_of(product.node, product.output_nr) or self._remade_output(product.node, product.output_nr)
+        x = self.record_of(product.node, product.output_nr) or self.remade_output(product.node, product.output_nr)
         if x is None:  # no need to look for the mask
             return None
-        mask = self._record_behind(product.multiply, product.mask_attribute)
+        mask = self.record_behind(product.multiply, product.mask_attribute)
         if not isinstance(mask, Saved) or not mask.exact:
             return None
         if mask.numel != tensor.numel():  # a broadcast mask: the product has elements of its own
             return None
         return x, mask
 
-    def _remake_of(self, tensor: torch.Tensor, op: OpCall | None) -> Remake | None:
-        """How to remake ``tensor`` from records of this forward: f(x) for SiLU, GELU, LayerNorm or RMSNorm
-        when x is stored (in a record that decodes to x for any op: not derivative codes); attention's
-        output when its q, k and v are kept; attention's probabilities when the scores' operands are."""
-        found = (activation_output_of(tensor) or normalized_output_of(tensor, self._readable)
-                 or rms_normalized_output_of(tensor, self._readable))
-        if found is not None:
-            x = self._record_of(found.node, found.output_nr)
-            return None if x is None else Remake((x,), found.function, x.bits)
-        attention = attention_output_of(tensor)
-        if attention is not None:
-            records = [self._record_behind(attention.node, attribute) for attribute in attention.attributes]
-            mask = self._record_behind(attention.node, attention.mask_attribute)
-            if mask is not _ABSENT:
-                records.append(mask)
-            return remake_from(records, attention.function, with_statistic=True)
-        arguments = op.attention_arguments if op is not None else None
-        probabilities = (attention_map_of(tensor, *arguments, hold=self._mask_copies.copy_of)
-                         if arguments is not None else None)
-        if probabilities is None:
-            return self._head_remake(tensor, op)
-        return remake_from([self._record_behind(probabilities.node, a) for a in probabilities.attributes],
-                            probabilities.function)
-
-    def _record_of(self, node: Any, output_nr: int) -> "Saved | None":
+    # -- what remake rules read (daf.runtime.remakes.Records) ---------------------------------
+    def record_of(self, node: Any, output_nr: int) -> "Saved | None":
         """The record stored in this forward of output ``output_nr`` of autograd node ``node``, if it
         decodes to that tensor for every op (not derivative codes or log-probabilities)."""
         entry = self._outputs.get((id(node), output_nr))
         if entry is None or entry[0] is not node or entry[1].readers is not None:
             return None
         return entry[1]
-
-    def _head_remake(self, tensor: torch.Tensor, op: OpCall | None) -> Remake | None:
-        """Log-probabilities of a linear's output (an LM's head) whose input is alive: remade from an
-        8-bit record of that input, made only if routing derives them (``HeadInput``). Not when the
-        logits were changed in place between the head and log_softmax (``logits_unchanged``)."""
-        for node, output_nr in nodes_behind(tensor):
-            entry = self._linears.get((id(node), output_nr))
-            if entry is not None and entry[0] is node:
-                break
-        else:
-            return None
-        _, input_ref, version, weight, bias, logits = entry
-        y = input_ref()
-        if y is None or y._version != version or not compressible(y, self.config.min_numel):
-            return None  # gone, or changed in place since the head read it
-        if not logits_unchanged(tensor, op, logits[0](), logits[1]):
-            return None
-        versions = (weight._version, None if bias is None else bias._version)
-        function = functools.partial(head_log_probabilities, weight=weight, bias=bias, versions=versions,
-                                     shape=tuple(tensor.shape), dtype=tensor.dtype)
-        return Remake((HeadInput(y),), function, HEAD_INPUT_BITS)
 
     def _encode_head_input(self, head_input: "HeadInput", site: str) -> "Saved":
         """Code the head's input at ``HEAD_INPUT_BITS`` as a record of its own; its row counts the bytes
@@ -303,16 +259,16 @@ class Session:
         self.accounting.add_unsaved(input_site, y, HEAD_INPUT_BITS, packed.nbytes)
         return saved
 
-    def _remade_output(self, node: Any, output_nr: int) -> DerivedActivation | None:
+    def remade_output(self, node: Any, output_nr: int) -> DerivedActivation | None:
         """The remade save of this forward of output ``output_nr`` of ``node`` (attention's probabilities)."""
         entry = self._remade.get((id(node), output_nr))
         return entry[1] if entry is not None and entry[0] is node else None
 
-    def _record_behind(self, node: Any, attribute: str) -> Any:
+    def record_behind(self, node: Any, attribute: str) -> Any:
         """What this session's pack hook returned for the tensor that ``node`` saved as ``attribute``:
         reading a ``_saved_*`` attribute calls the unpack hook, which here only names the record.
-        ``_ABSENT`` where the node saved None there (no attention mask), None where nothing is known."""
-        if not self._readable(node):
+        ``ABSENT`` where the node saved None there (no attention mask), None where nothing is known."""
+        if not self.readable(node):
             return None
         captured: list[Any] = []
         self._captured = (threading.get_ident(), captured)
@@ -323,7 +279,7 @@ class Session:
         finally:
             self._captured = None
         if value is None:
-            return _ABSENT
+            return ABSENT
         return captured[0] if len(captured) == 1 else None
 
     def _encode_and_put(self, encoding: Encoding, tensor: torch.Tensor, context: Context) -> tuple["Saved", int]:
@@ -345,7 +301,7 @@ class Session:
             stored = packed.nbytes
         saved.exact, saved.numel, saved.bits = encoding.kind in (Kind.MASK, Kind.RELU_MASK), tensor.numel(), encoding.bits
         saved.channels_last = restores_channels_last(tensor, op, self.config.channels_last)
-        if tensor.grad_fn is not None:
+        if tensor.grad_fn is not None and encoding.kind is not Kind.RELU_MASK:  # a ReLU mask decodes to bool, not t
             self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
@@ -372,7 +328,7 @@ class Session:
 
     def unpack(self, saved: Any) -> torch.Tensor:
         captured = self._captured
-        if captured is not None and captured[0] == threading.get_ident():  # _record_behind: which record, no decode
+        if captured is not None and captured[0] == threading.get_ident():  # record_behind: which record, no decode
             captured[1].append(saved)
             return torch.empty(0)
         if isinstance(saved, DerivedActivation):
@@ -448,26 +404,25 @@ class Session:
 
     def _op_done(self, call: OpCall) -> None:
         self._mark_made_here(nodes_made_by(tensors_in((call.output,)), call.argument_nodes))
-        if call.func is F.linear and isinstance(call.output, torch.Tensor) and call.output.grad_fn is not None:
-            self._note_linear(call)
+        self.linears.note(call)
+        self.norms.note(call)
         if call.saves:
             self.policy.watch_op(call)
             call.saves.clear()
 
-    def _note_linear(self, call: OpCall) -> None:
-        arguments = [*call.args, None, None][:3]
-        y = call.kwargs.get("input", arguments[0])
-        weight, bias = call.kwargs.get("weight", arguments[1]), call.kwargs.get("bias", arguments[2])
-        if isinstance(y, torch.Tensor) and isinstance(weight, torch.Tensor):
-            node, logits = call.output.grad_fn, call.output
-            self._linears[(id(node), logits.output_nr)] = (node, weakref.ref(y), y._version, weight, bias,
-                                                           (weakref.ref(logits), logits._version))
+    def relu_mask(self, tensor: torch.Tensor) -> "Saved | None":
+        """The record of ReLU's mask of ``tensor`` stored in this forward."""
+        return self._relu_masks.get(tensor)
+
+    def hold_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """An exact copy of an attention call's mask, held for its remade probabilities."""
+        return self._mask_copies.copy_of(mask)
 
     def _mark_made_here(self, nodes: list[Any]) -> None:
         for node in nodes:
             self._made_here[id(node)] = node
 
-    def _readable(self, node: Any) -> bool:
+    def readable(self, node: Any) -> bool:
         """Whether ``node``'s saves went through this session's pack hook, so that reading one only names
         its record. Another hook's unpack may do anything (checkpointing's recomputes the whole block in
         forward and holds what it made until backward), so such nodes are never read."""
@@ -538,6 +493,14 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return x ^ (x >> 31)
+
+
+def _not_remade(why: str, remake: Any, encoding: Encoding) -> str:
+    """The report's reason for a save that could have been remade and was not."""
+    if encoding.kind not in (Kind.CODES, Kind.NONZEROS, Kind.RAW):
+        return why
+    return (f"{why}; not remade (rule {remake.rule}): its records hold {remake.bits} bits' worth, fewer than "
+            f"{'raw' if not encoding.bits else f'the {encoding.bits}'} this save gets")
 
 
 def _allocator_section() -> dict[str, str]:

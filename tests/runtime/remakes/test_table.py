@@ -1,0 +1,137 @@
+"""The remake rules as a table: which rule remakes which save (and the report says so), and the table's own checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import daf
+from daf.runtime.remakes import DEFAULT_RULES, Remakes
+from daf.runtime.remakes.blocks import NormBlockRule
+
+
+class GatedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(64, 256), nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class NormThenLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x)))
+
+
+class Block(nn.Module):
+    """conv -> norm -> activation -> conv, with a residual add when ``residual``."""
+
+    def __init__(self, norm: str = "batch", act: str = "relu", residual: bool = False) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8) if norm == "batch" else nn.GroupNorm(2, 8)
+        self.act = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu}[act]
+        self.residual = residual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(x)
+        y = self.norm(h)
+        return self.conv2(self.act(y + h if self.residual else y))
+
+
+class Attention(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.qkv, self.dropout = nn.Linear(64, 3 * 64), dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout).transpose(1, 2).flatten(2)
+
+
+def _lm_head() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    from tests.runtime.test_derived_head import TinyLM, _ids
+
+    ids = _ids()
+    return TinyLM(), lambda m: m(ids)
+
+
+def _case(model: nn.Module, shape: tuple[int, ...]) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    x = torch.randn(*shape)
+    return model, lambda m: (m(x) * torch.linspace(-1, 1, m(x).shape[-1])).sum()
+
+
+FINE_NORM_INPUTS = {"floors": {"batch_norm": 4, "group_norm": 4}}  # records a bit finer than the 2-bit saves
+
+# (case, how it is built, wrap's keywords, the rule that remakes a save of it)
+TABLE = [
+    ("gated mlp", lambda: _case(GatedMLP(), (8, 16, 64)), {"bits": 8}, "activation"),
+    ("layer norm", lambda: _case(NormThenLinear(), (8, 16, 64)), {"bits": 8}, "activation"),
+    ("fused attention", lambda: _case(Attention(), (4, 32, 64)), {"bits": 4, "min_numel": 1}, "attention_output"),
+    ("attention with dropout", lambda: _case(Attention(0.1), (4, 32, 64)), {"bits": 8, "min_numel": 1}, "attention_map"),
+    ("lm head", _lm_head, {"bits": 4, "min_numel": 64}, "head_log_probabilities"),  # as test_derived_head
+    ("bn relu", lambda: _case(Block(), (4, 8, 16, 16)), FINE_NORM_INPUTS, "norm_block"),
+    ("bn relu residual", lambda: _case(Block(residual=True), (4, 8, 16, 16)), FINE_NORM_INPUTS, "norm_block"),
+    ("gn silu", lambda: _case(Block("group", "silu"), (4, 8, 16, 16)), FINE_NORM_INPUTS, "norm_block"),
+    ("bn gelu", lambda: _case(Block("batch", "gelu"), (4, 8, 16, 16)), FINE_NORM_INPUTS, "norm_block"),
+]
+
+
+@pytest.mark.parametrize("name, build, config, rule", TABLE, ids=[row[0] for row in TABLE])
+def test_each_rule_remakes_its_save_with_no_bytes_and_says_which(name, build, config, rule):
+    torch.manual_seed(0)
+    model, loss = build()
+    daf.wrap(model, audit=daf.Audit(every=0), **config)
+    loss(model).backward()
+    derived = [row for row in daf.report(model).rows if row.kind == "derived"]
+    assert any(row.why.startswith(f"{rule}: remade") for row in derived), [(r.site, r.why) for r in derived]
+    assert all(row.stored_bytes == 0 for row in derived)
+
+
+def test_without_its_rule_the_save_is_stored():
+    torch.manual_seed(0)
+    model, loss = _case(Block(), (4, 8, 16, 16))
+    daf.wrap(model, audit=daf.Audit(every=0), **FINE_NORM_INPUTS)
+    session = daf.session_of(model)
+    session.remakes = Remakes([rule for rule in DEFAULT_RULES if rule.name != "norm_block"])
+    loss(model).backward()
+    assert not [row for row in daf.report(model).rows if row.kind == "derived"]
+
+
+def test_the_default_keeps_codes_where_a_remake_would_be_coarser_and_says_why():
+    """Under daf.wrap(model), 2-bit records of the norm's input remade through ReLU hold about 1 bit's worth:
+    the conv's input keeps 2-bit codes, and its row says why it was not remade."""
+    torch.manual_seed(0)
+    model, loss = _case(Block(), (4, 8, 16, 16))
+    daf.wrap(model, audit=daf.Audit(every=0))
+    loss(model).backward()
+    rows = {row.site: row for row in daf.report(model).rows}
+    assert rows["conv2#0"].kind == "compressed" and rows["conv2#0"].bits == 2
+    assert "not remade (rule norm_block)" in rows["conv2#0"].why
+
+
+@pytest.mark.parametrize("rules, error", [
+    ([object()], TypeError),
+    ([NormBlockRule(), NormBlockRule()], ValueError),
+])
+def test_the_table_refuses_what_is_not_a_rule(rules, error):
+    with pytest.raises(error):
+        Remakes(rules)
+
+
+def test_lost_bits_is_checked():
+    with pytest.raises(ValueError, match="lost_bits"):
+        NormBlockRule(lost_bits=-1)
+
+
+def test_the_default_table_order():
+    assert Remakes().names == ("activation", "attention_output", "attention_map", "head_log_probabilities", "norm_block")
