@@ -14,8 +14,8 @@ as ``daf bench overhead`` does): nothing in DAF's hot path knows of them.
     python benchmarks/save_profile.py --workload smollm-lora --batch 8 --json docs/results/save_profile_smollm.json
 
 Per kind: calls, total ms per step and elements; then the ``--top`` DAF functions by own time
-(cProfile's tottime) and by cumulative time. CPU time of this process at ``--threads`` threads when
-``--clock cpu``.
+(cProfile's tottime) and by cumulative time. CPU time of this process (``--clock cpu``) at ``--threads 1``
+is what to read on a loaded machine.
 """
 
 from __future__ import annotations
@@ -168,9 +168,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--config", default=None, help='daf.Config keywords as JSON, e.g. \'{"bits": 4}\'')
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = profile(args)
     print(table(result))
     if args.json:
