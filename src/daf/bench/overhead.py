@@ -181,8 +181,10 @@ def table(result: dict[str, Any]) -> str:
     comps = result["components"]
     fp32 = comps["fp32 step"]
     config = result["config"]
-    from daf.cli.table import config_label
-    daf_label = config_label(config) + (", pages returned" if config["return_pages"] else "")
+    policy = config["policy"]
+    kind = policy.get("kind") if isinstance(policy, dict) else policy
+    daf_label = (f"DAF {config['bits']}-bit {config['codec']['kind']}" if config["bits"] is not None
+                 else f"DAF {kind}") + (", pages returned" if config["return_pages"] else "")
     lines = [f"{result['workload']} batch {result['batch']} {result['options']}, {daf_label}: "
              f"medians of {result['steps']} steps "
              f"after {result['warmup']} warm-up, {result['clock']} clock, {result['threads']} thread(s)", f"{'component':34s} {'ms/step':>9s} {'% of fp32':>10s}"]
