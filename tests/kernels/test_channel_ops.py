@@ -116,3 +116,13 @@ def test_bad_input_is_refused_by_name(extension):
         channel_ops.channel_join(coded, scale, inliers, torch.tensor([3, 4]), torch.randn(4, 2))
     with pytest.raises(ValueError, match="float32 coded"):
         channel_ops.channel_join(coded.double(), scale, inliers, torch.tensor([4, 5]), torch.randn(4, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+def test_opcheck(extension, dtype):
+    """Schema, autograd registration, fake tensors and AOT dispatch with dynamic shapes."""
+    m = matrix(70, 40, seed=3, special=0.0, dtype=dtype)
+    inliers, outliers = split_of(40, 2, 3)
+    torch.library.opcheck(torch.ops.daf.channel_split.default, (m, inliers))
+    coded, scale = channel_ops.channel_split(m, inliers)
+    torch.library.opcheck(torch.ops.daf.channel_join.default, (coded, scale, inliers, outliers, m.index_select(1, outliers)))
