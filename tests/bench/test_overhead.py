@@ -24,6 +24,16 @@ def test_overhead_table_and_json(tmp_path, capsys):
     assert math.isclose(result["step_ratio"], overhead.step_ratio(result["rows"]))
 
 
+def test_default_measures_daf_wraps_own_config(tmp_path, capsys):
+    """``--default``: ``Config()`` (the automatic choice per save), not the workload's uniform 2 bits."""
+    path = tmp_path / "o.json"
+    assert main(["overhead", "--workload", "tiny-mnist", "--batch", "32", "--steps", "1", "--warmup", "1",
+                 "-O", "train_size=256", "--default", "--json", str(path)]) == 0
+    config = json.loads(path.read_text())["config"]
+    assert config["bits"] is None and config["policy"]["kind"] == "auto"
+    assert "DAF auto" in capsys.readouterr().out
+
+
 def test_the_arms_take_turns_going_first(monkeypatch):
     """DAF must not always run after the same arm: rounds alternate fp32 first and DAF first."""
     import daf

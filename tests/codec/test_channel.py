@@ -282,3 +282,49 @@ def test_an_nchw_feature_map_without_large_channels_is_coded_as_minmax():
     codec = codes_codec(daf.Config(backend="reference"))
     x = torch.randn(4, 32, 6, 6)
     assert type(codec.encode(x, Spec(4, seed=0, consumer="conv2d"))) is not ChannelPacked
+
+
+def _statement(op):
+    """The plain-PyTorch default implementation of a ``daf::channel_*`` op, whatever is registered for CPU."""
+    return lambda *args: op.default._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.sampled_from([(64, 40), (3, 96, 48), (2, 33, 130), (512, 16)]), bits=st.sampled_from([1, 2, 4, 8]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16),
+       rounding=st.sampled_from(["stochastic", "nearest"]), special=st.sampled_from([None, "nan", "inf", "zero_row"]))
+def test_the_kernels_store_and_restore_the_statements_bytes(shape, bits, dtype, seed, rounding, special):
+    """The whole codec on the native split and join against the same codec on their plain-PyTorch statement:
+    the same stored bytes (codes, side table, token scales) and the same restored bits."""
+    from daf.kernels import channel_ops
+    from daf.kernels.build import load_extension
+    if load_extension().module is None:
+        pytest.skip("native kernels unavailable")
+    x = _with_outliers(shape, channels=(1, shape[-1] - 2), seed=seed)
+    if special is not None:
+        flat = x.view(-1, shape[-1])
+        flat[seed % flat.shape[0]] = 0.0 if special == "zero_row" else float(special)
+    x = x.to(dtype)
+    codec = codes_codec(daf.Config(codec=_Outliers(fraction=0.05, min_channels=16), rounding=rounding))
+    spec = Spec(bits, seed=seed, consumer="layer_norm")
+    fast = codec.encode(x, spec)
+    assert isinstance(fast, ChannelPacked)
+    restored = codec.decode(fast)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(channel_ops, "channel_split", _statement(torch.ops.daf.channel_split))
+        patch.setattr(channel_ops, "channel_join", _statement(torch.ops.daf.channel_join))
+        plain = codec.encode(x, spec)
+        restored_plainly = codec.decode(plain)
+    for name in ("payload", "exc_index", "exc_value", "outlier_index", "outlier_values", "row_scale"):
+        a, b = getattr(fast, name), getattr(plain, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(_bit_view(a), _bit_view(b)), name
+    assert (fast.shape, fast.group_size, fast.bits) == (plain.shape, plain.group_size, plain.bits)
+    assert torch.equal(_bit_view(restored), _bit_view(restored_plainly))
+
+
+def _bit_view(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_floating_point():
+        return t
+    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])

@@ -181,7 +181,10 @@ def table(result: dict[str, Any]) -> str:
     comps = result["components"]
     fp32 = comps["fp32 step"]
     config = result["config"]
-    daf_label = f"DAF {config['bits']}-bit {config['codec']['kind']}" + (", pages returned" if config["return_pages"] else "")
+    policy = config["policy"]
+    kind = policy.get("kind") if isinstance(policy, dict) else policy
+    daf_label = (f"DAF {config['bits']}-bit {config['codec']['kind']}" if config["bits"] is not None
+                 else f"DAF {kind}") + (", pages returned" if config["return_pages"] else "")
     lines = [f"{result['workload']} batch {result['batch']} {result['options']}, {daf_label}: "
              f"medians of {result['steps']} steps "
              f"after {result['warmup']} warm-up, {result['clock']} clock, {result['threads']} thread(s)", f"{'component':34s} {'ms/step':>9s} {'% of fp32':>10s}"]
@@ -201,6 +204,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", type=int, default=None,
                         help="DAF's code width (default: the workload's, with its codec: what keeps its result; "
                              "daf.bench.methods.workload_config)")
+    parser.add_argument("--default", action="store_true",
+                        help="daf.wrap(model)'s own config, Config() (the automatic choice per save), instead of "
+                             "the workload's")
     parser.add_argument("--return-pages", action="store_true",
                         help="Config.return_pages: the pool gives freed pages back to the system at once")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
@@ -214,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     import ast
 
     from daf.bench.methods import workload_config
+    from daf.config import Config
     options = {}
     for item in args.option:
         key, _, value = item.partition("=")
@@ -226,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--threads {args.threads}: expected a positive number of threads")
         import torch
         torch.set_num_threads(args.threads)
-    config = workload_config(args.workload)
+    config = Config() if args.default else workload_config(args.workload)
     if args.bits is not None:
         config = config.replace(bits=args.bits)
     if args.return_pages:

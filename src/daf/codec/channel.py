@@ -131,10 +131,11 @@ def largest_magnitude(m: torch.Tensor) -> torch.Tensor:
     return column_absmax(m)
 
 
-def transposed(m: torch.Tensor) -> torch.Tensor:
-    """``daf.kernels.layout_ops.transposed``, imported when first needed (``import daf`` loads no kernels)."""
-    from daf.kernels.layout_ops import transposed as kernel_transpose
-    return kernel_transpose(m)
+def _channel_ops():
+    """``daf.kernels.channel_ops`` (the split and join along axis "channel": one pass each on the kernels),
+    imported when first needed (``import daf`` loads no kernels)."""
+    from daf.kernels import channel_ops
+    return channel_ops
 
 
 def _inlier_channels(index: torch.Tensor, channels: int) -> torch.Tensor:
@@ -169,12 +170,8 @@ def split_channels(x: torch.Tensor, count: int, axis: str, peak: torch.Tensor | 
     index = outlier_channels(m, count, peak)  # peak: the columns' max |m|, when the caller has it
     values = m.index_select(1, index)
     if axis == "channel":
-        # Transposed first, then whole rows picked: a column gather and a strided transpose are what
-        # PyTorch does slowly (3.5 -> 1.7 ms at [512, 1536], the same values).
-        coded = transposed(m).index_select(0, _inlier_channels(index, m.shape[1])).float()
-        scale = largest_magnitude(coded) if coded.shape[0] else torch.ones(m.shape[0], device=m.device)
-        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
-        return index, values, coded.div_(scale), scale
+        coded, scale = _channel_ops().channel_split(m, _inlier_channels(index, m.shape[1]))
+        return index, values, coded, scale
     coded = m.clone(memory_format=torch.contiguous_format)
     coded[:, index] = m.index_select(1, _stand_ins(index, m.shape[1]))
     return index, values, coded, None
@@ -185,12 +182,8 @@ def join_channels(coded: torch.Tensor, index: torch.Tensor, values: torch.Tensor
     """The inverse of ``split_channels``: a contiguous tensor of ``full_shape`` and ``values.dtype``. O(numel)."""
     channels = full_shape[-1]
     if axis == "channel":
-        # Rows put in place, then one transpose (as in split_channels); float32 holds any float16 or
-        # bfloat16 outlier exactly, so they ride through it too.
-        rows = torch.empty(channels, coded.shape[1], dtype=torch.float32, device=coded.device)
-        rows.index_copy_(0, _inlier_channels(index, channels), coded * scale)
-        rows.index_copy_(0, index, values.t().float())
-        return transposed(rows).to(values.dtype).view(full_shape)
+        restored = _channel_ops().channel_join(coded, scale, _inlier_channels(index, channels), index, values)
+        return restored.view(full_shape)
     out = coded.reshape(-1, channels)
     out[:, index] = values
     return out.view(full_shape)

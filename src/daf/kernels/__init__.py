@@ -4,7 +4,8 @@
 the ops (reference by default, C++ on CPU once built), ``daf.kernels.build`` the build;
 ``daf.kernels.mask_ops`` and ``mask_reference`` the same for the 1-bit masks and nonzeros,
 ``daf.kernels.layout_ops`` for the channels-last copy of a restored activation, ``daf.kernels.reduce_ops``
-for the column magnitudes the Outliers codec splits by.
+for the column magnitudes the Outliers codec splits by, ``daf.kernels.channel_ops`` for its split and
+join along axis "channel".
 Nothing here imports ``daf.codec``: the codec sits on top.
 
 >>> isinstance(native_status(), str)

@@ -10,7 +10,7 @@ one line) and reloads the cached library afterwards (about 0.01 s). The SIMD fla
 capability: without the matching ``CPU_CAPABILITY`` defines ``at::vec::Vectorized`` silently falls back to
 its slow generic version. ``DAF_PREBUILT_KERNELS=0`` ignores the kernels built at install.
 On success the kernels become the CPU implementation of the ``torch.ops.daf`` ops
-(``register_native`` of ``daf.kernels.ops``, ``mask_ops``, ``layout_ops`` and ``reduce_ops``).
+(``register_native`` of ``daf.kernels.ops``, ``mask_ops``, ``layout_ops``, ``reduce_ops`` and ``channel_ops``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = ["Extension", "load_extension", "simd_flags", "isa_name", "compile_fla
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp",)
-HEADERS = ("columns.h", "format1.h", "codes.h", "codes_avx2.h", "codes_avx512.h", "kernels.h", "masks.h", "nonzeros.h", "transpose.h")
+HEADERS = ("channels.h", "columns.h", "format1.h", "codes.h", "codes_avx2.h", "codes_avx512.h", "kernels.h", "masks.h", "nonzeros.h", "transpose.h")
 PREBUILT_ENV = "DAF_PREBUILT_KERNELS"
 
 # -ffp-contract=off: the reference rounds a * b + c twice; a contracted FMA would round once.
@@ -106,12 +106,13 @@ def load_extension() -> Extension:
     try:
         if module is None:
             module, origin = _build_here(isa, why_not), f"built on first use: {why_not}"
-        from daf.kernels import layout_ops, mask_ops, ops, reduce_ops
+        from daf.kernels import channel_ops, layout_ops, mask_ops, ops, reduce_ops
 
         ops.register_native(module)
         mask_ops.register_native(module)
         layout_ops.register_native(module)
         reduce_ops.register_native(module)
+        channel_ops.register_native(module)
     except Exception as error:  # compiler missing, build error, loader error: all mean "use the reference"
         reason = failure_cause(error)
         warnings.warn(f"DAF native kernels unavailable, using the reference codec ({reason})",

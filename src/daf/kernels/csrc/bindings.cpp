@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "channels.h"
 #include "columns.h"
 #include "kernels.h"
 #include "masks.h"
@@ -260,6 +261,31 @@ void column_absmax(int64_t m, int64_t rows, int64_t cols, int64_t out) {
   columns::absmax(at_address<const float>(m), rows, cols, at_address<float>(out));
 }
 
+// m: rows x cols contiguous elements of dtype (0 float32, 1 float16, 2 bfloat16); inliers: n int64 channel
+// numbers < cols; coded: n x rows float32; scale: rows float32 (channels.h). Returns whether an inlier is NaN.
+bool channel_split(int64_t m, int64_t rows, int64_t cols, int64_t dtype, int64_t inliers, int64_t n, int64_t coded,
+                   int64_t scale) {
+  if (rows < 0 || cols < 0 || n < 0 || n > cols) throw std::invalid_argument("channel_split: bad sizes");
+  const int64_t* in = at_address<const int64_t>(inliers);
+  float* c = at_address<float>(coded);
+  float* s = at_address<float>(scale);
+  switch (dtype) {
+    case kFloat32: return channels::split(at_address<const float>(m), rows, cols, in, n, c, s);
+    case kFloat16: return channels::split(at_address<const c10::Half>(m), rows, cols, in, n, c, s);
+    case kBFloat16: return channels::split(at_address<const c10::BFloat16>(m), rows, cols, in, n, c, s);
+  }
+  throw std::invalid_argument("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+}
+
+// coded: n x rows float32, scale: rows float32, values: rows x k float32; out: rows x cols float32.
+void channel_join(int64_t coded, int64_t scale, int64_t rows, int64_t cols, int64_t inliers, int64_t n,
+                  int64_t outliers, int64_t values, int64_t k, int64_t out) {
+  if (rows < 0 || cols < 0 || n < 0 || k < 0 || n + k != cols) throw std::invalid_argument("channel_join: bad sizes");
+  channels::join(at_address<const float>(coded), at_address<const float>(scale), rows, cols,
+                 at_address<const int64_t>(inliers), n, at_address<const int64_t>(outliers),
+                 at_address<const float>(values), k, at_address<float>(out));
+}
+
 // The digest of csrc/, the flags and torch's version at build time (-DDAF_BUILD_KEY=k..., build.py's
 // build_key): kernels built at install are used only while that still holds (an editable checkout may
 // have changed the sources since, or another torch been installed).
@@ -315,6 +341,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("channels_last_copy", &daf::channels_last_copy, "NCHW elements copied in NHWC order",
         py::call_guard<py::gil_scoped_release>());
   m.def("column_absmax", &daf::column_absmax, "the largest magnitude of each column, NaN where one is",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("channel_split", &daf::channel_split, "inlier channels scaled per token, transposed; the token scales",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("channel_join", &daf::channel_join, "the inverse of channel_split, outlier channels put back",
         py::call_guard<py::gil_scoped_release>());
   m.def("mask_unit", []() { return daf::masks::kUnit; });
   m.def("build_info", &daf::build_info);
