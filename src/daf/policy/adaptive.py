@@ -95,13 +95,15 @@ class AdaptivePolicy(Policy):
         # too, so the plan neither pays for them nor raises them (a raise would store codes that uniform
         # bits do not: T5 stored 3% more than uniform 2 when the plan raised its norms' outputs)
         self.derived: set[str] = set()
+        self._replan_due = False
 
     # -- the Policy interface ----------------------------------------------------------------
     def on_forward_start(self, step: int) -> None:
         self._step = step
         self._credit = 0
         self.estimator.begin_step()
-        if step >= 1 and (self.plan is None or step % self.replan_every == 0):
+        if step >= 1 and (self.plan is None or step % self.replan_every == 0 or self._replan_due):
+            self._replan_due = False
             self.replan()
         until_next = self.replan_every - step % self.replan_every
         self._watching = self.plan is None or until_next <= self.window
@@ -132,8 +134,14 @@ class AdaptivePolicy(Policy):
     def watch(self, site: str, x: torch.Tensor, bits: int, elements: int | None = None, derived: bool = False) -> None:
         if derived:
             self.derived.add(site)
-        elif bits > self._given.get(site, bits):  # raised above what the policy gave: a rule's floor
-            self.floors[site] = bits
+        else:
+            # Coded after all (a remake is declined when the plan gives its records too few bits): the plan
+            # left it out, so it would stay at the default width outside the budget; plan again next forward.
+            if site in self.derived:
+                self.derived.discard(site)
+                self._replan_due = True
+            if bits > self._given.get(site, bits):  # raised above what the policy gave: a rule's floor
+                self.floors[site] = bits
         if self._watching:
             self.estimator.observe_tensor(site, x, elements)
 
