@@ -1,6 +1,6 @@
 """torch.compile and DAF (issue 39): a wrapped model compiles to the graphs of the unwrapped one, in either
 order and on a compiled part of the tree, with no graph break or recompile of DAF's making; in both orders the
-graphs store DAF's codes (``torch.compile(daf.wrap(m))`` through ``api._compile_entry``).
+graphs store DAF's codes (``torch.compile(daf.wrap(m))`` through ``api._CompileEntry``).
 
 Dynamo runs with ``CompileCounter`` (graphs and ops counted, run eagerly) or ``aot_eager`` (through
 AOTAutograd, as inductor gets it, without building C++): a tiny model compiles in about a second."""
@@ -169,10 +169,23 @@ def test_copies_of_a_wrapped_model_call_themselves_and_unwrap_removes_the_entry(
     model = daf.wrap(_cnn(), bits=8)
     assert "__call__" in vars(model)
     for duplicate in (copy.deepcopy(model), _reloaded(model)):
-        assert duplicate.__call__.__self__ is duplicate
+        assert duplicate.__call__.__self__._module() is duplicate
         assert torch.equal(duplicate.__call__(_x(MODELS["cnn"][1])), duplicate(_x(MODELS["cnn"][1])))
     daf.unwrap(model)
     assert "__call__" not in vars(model)
+
+
+def test_the_entry_holds_its_model_weakly_so_a_dropped_model_goes_without_the_garbage_collector():
+    import gc
+    import weakref
+    gc.disable()
+    try:
+        model = daf.wrap(_cnn(), bits=8)
+        gone = weakref.ref(model)
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def _reloaded(model: nn.Module) -> nn.Module:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -54,34 +53,47 @@ def _run_while_tracing(method: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
-def _compile_entry(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``model.__call__`` of a wrapped model (bound to it, in its ``__dict__``): what ``torch.compile(model)``
-    calls. A plain ``model(x)`` (the class's ``__call__``) never comes here.
+class _CompileEntry:
+    """What ``torch.compile(model)`` calls for a wrapped model: ``daf.wrap`` puts this entry's bound
+    ``__call__`` in the model's ``__dict__`` as ``__call__``. A plain ``model(x)`` never comes here (Python
+    calls the class's ``__call__``), but ``torch.compile`` compiles ``model.__call__``.
 
-    Dynamo skips this frame (``_skip_entry_frames``) and compiles the next, ``nn.Module.__call__``, so this
-    runs eagerly before the compiled frames start: it makes DAF's graph hooks ambient, which AOTAutograd
-    inlines into the graphs it compiles, and on which dynamo guards (the same pair every step: no
-    recompile). Named ``__call__`` so that pickling the model stores a plain ``getattr(model, "__call__")``
-    (``deepcopy`` binds it to the copy, which is unwrapped: then it only calls the copy)."""
-    if torch.compiler.is_compiling():  # dynamo traces this frame: torch._dynamo.reset() dropped the skips
-        _entry_traced()
-        return type(module).__call__(module, *args, **kwargs)
-    attachment = getattr(module, _ATTR, None)
-    hooks = attachment.enter_compiled(module) if attachment is not None else None
-    if hooks is None:
-        return type(module).__call__(module, *args, **kwargs)
-    try:
-        with hooks:
+    Dynamo skips the entry's frame (``_skip_entry_frames``) and compiles the next, ``nn.Module.__call__``,
+    so the entry runs eagerly before the compiled frames start: it makes DAF's graph hooks ambient, which
+    AOTAutograd inlines into the graphs it compiles and on which dynamo guards (the same pair every step:
+    no recompile). It holds the model weakly (no cycle through the model's ``__dict__``); a copy of the
+    model (``deepcopy``, pickle) gets an entry of the copy's, which only calls it (copies are unwrapped)."""
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if torch.compiler.is_compiling():  # dynamo traces this frame: torch._dynamo.reset() dropped the skips
+            _entry_traced()
             return type(module).__call__(module, *args, **kwargs)
-    finally:
-        attachment.leave_compiled()
+        attachment = getattr(module, _ATTR, None)
+        hooks = attachment.enter_compiled(module) if attachment is not None else None
+        if hooks is None:
+            return type(module).__call__(module, *args, **kwargs)
+        try:
+            with hooks:
+                return type(module).__call__(module, *args, **kwargs)
+        finally:
+            attachment.leave_compiled()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_CompileEntry":
+        module = self._module()
+        return _CompileEntry(memo.get(id(module), module))  # the model's copy, made before its state is
 
-_compile_entry.__name__ = _compile_entry.__qualname__ = "__call__"
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _CompileEntry, (self._module(),)
 
 
 def _skip_entry_frames() -> None:
-    """Have dynamo run ``_compile_entry`` as it is and compile the frames it calls, as
+    """Have dynamo run ``_CompileEntry.__call__`` as it is and compile the frames it calls, as
     ``torch.compiler.disable(recursive=False)`` does, and run ``enter_compiled``/``leave_compiled`` and
     all they call eagerly; through the C calls that ``torch._dynamo.eval_frame.skip_code`` makes, so that
     ``daf.wrap`` does not import dynamo (seconds). ``torch._dynamo.reset()`` forgets them: the entry
@@ -89,7 +101,7 @@ def _skip_entry_frames() -> None:
     eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
     try:
         action, strategy = eval_frame._FrameAction, eval_frame._FrameExecStrategy
-        eval_frame.set_code_exec_strategy(_compile_entry.__code__, strategy(action.SKIP, action.DEFAULT))
+        eval_frame.set_code_exec_strategy(_CompileEntry.__call__.__code__, strategy(action.SKIP, action.DEFAULT))
         for method in (_Attachment.enter_compiled, _Attachment.leave_compiled):
             eval_frame.set_code_exec_strategy(method.__code__, strategy(action.SKIP, action.SKIP))
     except AttributeError:  # another torch: the entry is traced and DAF steps aside, as under module.compile()
@@ -98,7 +110,7 @@ def _skip_entry_frames() -> None:
 
 @_run_while_tracing
 def _entry_traced() -> bool:
-    """Run by dynamo, for real, while it traces ``_compile_entry``: set the skips again for the next call."""
+    """Run by dynamo, for real, while it traces ``_CompileEntry.__call__``: set the skips again."""
     _skip_entry_frames()
     return True
 
@@ -135,8 +147,9 @@ class _Attachment:
     tree is running: the root, or a child that a framework calls directly (``self.model.encoder(x)``).
     Parts that follow one another (an encoder, then a decoder) are one forward, for the report and the
     policy, until a module of a part already run (or one containing it) begins one again. Nothing begins
-    under eval, no_grad, inference_mode, while dynamo traces (one warning; a compiled part of the tree runs
-    under hooks its graphs inline instead, ``daf.runtime.in_graph``) or in backward
+    under eval, no_grad, inference_mode, while dynamo traces (a compiled part of the tree, or the model
+    compiled whole through ``_CompileEntry``, runs under hooks its graphs inline instead,
+    ``daf.runtime.in_graph``; traced without them, one warning) or in backward
     (checkpointing's recomputation: what it saves goes to the checkpoint, not to DAF).
 
     The session is closed by ``unwrap`` or, failing that, when the model is garbage-collected:
@@ -357,9 +370,9 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
 
     Active while ``model``, or any module of its tree called on its own, runs forward in training mode
     with grad enabled; under ``eval()``, ``torch.no_grad()`` or ``torch.inference_mode()`` nothing changes.
-    A compiled model, or compiled parts of it, wrapped after ``torch.compile``: their graphs save 8-bit codes
-    (``daf.runtime.in_graph``); ``torch.compile(wrap(model))`` compresses nothing. Either way the graphs
-    are those of the unwrapped model, and DAF warns once. A copy of the
+    Under ``torch.compile``, in either order (``torch.compile(wrap(model))``, ``wrap(torch.compile(model))``,
+    compiled parts): the graphs save the policy's codes (``daf.runtime.in_graph``), listed in the report;
+    the graphs are those of the unwrapped model, and DAF warns once with what a graph cannot do. A copy of the
     model (``copy.deepcopy``, pickle, ``torch.save``) is unwrapped: wrap it again to train it compressed.
     No layer is swapped: the module's type, parameters and state_dict stay as they are.
 
@@ -382,7 +395,7 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
     _remove_inert_hooks(model)
     object.__setattr__(model, _ATTR, _Attachment(model, _session(config), compiled))
     _skip_entry_frames()
-    model.__dict__["__call__"] = types.MethodType(_compile_entry, model)  # what torch.compile(model) calls
+    model.__dict__["__call__"] = _CompileEntry(model).__call__  # what torch.compile(model) calls
     return model
 
 
