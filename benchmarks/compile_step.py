@@ -1,7 +1,8 @@
 """torch.compile with DAF against compiled fp32 (issue 39): step time, activation memory, gradients.
 
 python benchmarks/compile_step.py [--models resnet18,minilm] [--backend inductor] [--batch 32] [--small 8]
-    [--steps 5] [--warmup 2] [--config bits=8,rounding=nearest] [--budget 0.5] [--no-rss] [--json FILE]
+    [--steps 5] [--warmup 2] [--config bits=8,rounding=nearest] [--budget 0.5] [--no-rss]
+    [--rss-variants plain,compile(wrap(m)),...] [--json FILE]
 
 Variants, each a fresh model of the same initial weights:
 - ``plain``: ``torch.compile(m)``, compiled fp32;
@@ -14,9 +15,9 @@ Figures:
   warmed up (which compiles them), then timed in alternated rounds so that the machine's load hits them
   alike; ``x plain`` is the ratio of medians;
 - held MiB: bytes the compiled functions hold for backward after one forward, parameters left out (exact);
-- act. RSS MiB: the activation memory a process needs, as the peak RSS of a child process that runs
-  warm-up and two steps at ``--batch`` minus that of one at ``--small`` (the same variant): the model,
-  the compiler and the libraries cancel out;
+- act. RSS MiB: the activation memory a process needs, as the peak RSS of a child process over two steps
+  at ``--batch`` after warm-up (the peak reset once compiled: compiling peaks higher) minus that of one at
+  ``--small`` (the same variant): the model, the compiler and the libraries cancel out;
 - grad cos: cosine of all parameters' gradient of one step to ``plain``'s.
 """
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -153,10 +153,18 @@ def child_peak_rss(model_name: str, variant: str, batch: int, args: argparse.Nam
 
 
 def run_child(model_name: str, variant: str, batch: int, args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """Print the peak RSS (MiB) of two training steps after warm-up: compiling peaks higher than a step, so
+    the peak is reset once the graphs are compiled (``/proc/self/clear_refs``; Linux)."""
     v = Variant(model_name, variant, batch, args.backend, config, args.budget)
-    for _ in range(args.warmup + 2):
+    for _ in range(args.warmup):
         v.step()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    for _ in range(2):
+        v.step()
+    with open("/proc/self/status") as f:
+        peak_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    print(peak_kib / 1024)
 
 
 def parse_config(text: str) -> dict[str, Any]:
@@ -188,6 +196,7 @@ def main() -> None:
     parser.add_argument("--config", default="", help="daf.wrap keywords, e.g. bits=8,rounding=nearest")
     parser.add_argument("--budget", type=float, default=0.5, help="activation_memory_budget; 0 leaves it out")
     parser.add_argument("--no-rss", action="store_true")
+    parser.add_argument("--rss-variants", default=",".join(VARIANTS), help="the variants whose RSS is measured")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "VARIANT", "BATCH"), help=argparse.SUPPRESS)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -201,12 +210,12 @@ def main() -> None:
     for model_name in args.models.split(","):
         model_rows = measure(model_name, variants, args, config)
         if not args.no_rss:
-            for row in model_rows:
+            for row in (r for r in model_rows if r["variant"] in args.rss_variants.split(",")):
                 large = child_peak_rss(model_name, row["variant"], args.batch, args)
                 small = child_peak_rss(model_name, row["variant"], args.small, args)
                 row["act_rss_MiB"] = round(large - small, 1)
             plain = next(r["act_rss_MiB"] for r in model_rows if r["variant"] == "plain")
-            for row in model_rows:
+            for row in (r for r in model_rows if "act_rss_MiB" in r):
                 row["x_plain_rss"] = round(row["act_rss_MiB"] / plain, 3) if plain > 0 else None
         rows.extend(model_rows)
         print_rows(model_rows)
