@@ -38,6 +38,11 @@ CASES = [  # (save, producer, readers, form, bits, why contains)
     (FEATURE_MAP, "aten.relu.default", _readers(RELU_BACKWARD, Node("aten.max_pool2d_with_indices_backward.default")),
      "codes+sign", 2, "feature map"),
     (ROWS, "aten.relu.default", _readers(RELU_BACKWARD, Node("aten.mm.default")), "codes+sign", 4, "linear"),
+    # inductor's partitioner recomputes ReLU's mask from the save: the sign must survive the codes
+    (FEATURE_MAP, "aten.relu.default", _readers(Node("aten.le.Scalar", SAVED, 0), Node("aten.convolution_backward.default")),
+     "codes+sign", 2, "feature map"),
+    (FEATURE_MAP, "aten.relu.default", _readers(Node("aten.le.Scalar", SAVED, 0)), "sign", 1, "sign bits"),
+    (FEATURE_MAP, "aten.add.Tensor", _readers(Node("aten.le.Scalar", SAVED, 1)), "codes", 4, "linear"),
     (ROWS, "aten.addmm.default", _readers(Node("aten.gelu_backward.default")), "codes", 4, "linear"),
     (ROWS, "aten.addmm.default", _readers(Node("aten.tanh.default")), "codes", 8, "saturating"),  # recomputed tanh
     (ROWS, "aten._softmax.default", _readers(Node("aten._softmax_backward_data.default")), "codes", 8, "saturating"),

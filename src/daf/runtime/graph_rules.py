@@ -62,7 +62,9 @@ _ELEMENTWISE = frozenset({"aten.div.Tensor", "aten.mul.Tensor", "aten.where.self
 _FUSED_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _FUSED_RAW = {"query": "fused attention's q", "key": "fused attention's k", "logsumexp": "fused attention's logsumexp"}
 _FUSED_SENSITIVE = frozenset({"value", "out", "output"})
-_SIGN_ONLY = ("aten.threshold_backward.default",)
+# Readers that read nothing but x > 0: ReLU's backward whole (aot_eager), or its mask recomputed from the
+# save (inductor's partitioner: ``le(x, 0)``), whose decoded value must not round across 0.
+_SIGN_ONLY = {"aten.threshold_backward.default": 2, "aten.le.Scalar": 1, "aten.gt.Scalar": 1}
 
 _WHY = {"bits": "in graph: linear, norm or activation input", "feature_map_bits": "in graph: feature map",
         "sensitive_bits": "in graph: saturating derivative or attention values"}
@@ -145,7 +147,8 @@ def _rule(x: torch.Tensor, producer: str | None, readers: Any) -> str:
 
 
 def _reads_sign_only(node: Any) -> bool:
-    return str(node.target) in _SIGN_ONLY and len(node.args) > 2 and node.args[2] == 0
+    threshold = _SIGN_ONLY.get(str(node.target))
+    return threshold is not None and len(node.args) > threshold and node.args[threshold] == 0
 
 
 def _fused_attention_role(readers: Readers) -> str | None:
