@@ -164,6 +164,17 @@ def test_compile_of_the_wrapped_model_packs_only_training_forwards_and_survives_
         assert torch.equal(evaluated, model(_x(shape)))  # eagerly, in eval: nothing of DAF's
 
 
+def test_evaluating_a_compiled_wrapped_container_says_nothing():
+    """Nothing is compressed in eval either way: no warning that nothing is (only training is traced so)."""
+    torch._dynamo.reset()
+    model = daf.wrap(_cnn().body, bits=8).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            torch.compile(model, backend="aot_eager")(_x(MODELS["cnn"][1]))
+    assert not [w for w in caught if str(w.message).startswith("DAF:")]
+
+
 def test_copies_of_a_wrapped_model_call_themselves_and_unwrap_removes_the_entry():
     import copy
     model = daf.wrap(_cnn(), bits=8)

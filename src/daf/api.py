@@ -291,6 +291,9 @@ class _Attachment:
         contexts = self._contexts
         if contexts and contexts[-1] is not None and contexts[-1] is self._in_graph:
             return True
+        root = self._root()
+        if root is None or not self._active(root):  # eval or no_grad: nothing would be compressed eagerly either
+            return True
         if not self._warned_compile:
             self._warned_compile = True
             warnings.warn(COMPILED_WARNING, stacklevel=1)
