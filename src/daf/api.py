@@ -20,7 +20,7 @@ from daf.allocator.native import status as _allocator_status
 from daf.config import Config
 from daf.report import Report
 from daf.runtime import Session
-from daf.runtime.in_graph import IN_GRAPH_BITS, in_graph_hooks
+from daf.runtime.in_graph import GraphSaves, in_graph_hooks, in_graph_limits
 from daf.runtime.audit import GradientAudit
 from daf.tracing.threads import PerThreadStack
 
@@ -51,6 +51,68 @@ def _run_while_tracing(method: Callable[..., Any]) -> Callable[..., Any]:
     that the mark is the one it sets, and that tracing a wrapped model breaks no graph."""
     method._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return method
+
+
+class _CompileEntry:
+    """What ``torch.compile(model)`` calls for a wrapped model: ``daf.wrap`` puts this entry's bound
+    ``__call__`` in the model's ``__dict__`` as ``__call__``. A plain ``model(x)`` never comes here (Python
+    calls the class's ``__call__``), but ``torch.compile`` compiles ``model.__call__``.
+
+    Dynamo skips the entry's frame (``_skip_entry_frames``) and compiles the next, ``nn.Module.__call__``,
+    so the entry runs eagerly before the compiled frames start: it makes DAF's graph hooks ambient, which
+    AOTAutograd inlines into the graphs it compiles and on which dynamo guards (the same pair every step:
+    no recompile). It holds the model weakly (no cycle through the model's ``__dict__``); a copy of the
+    model (``deepcopy``, pickle) gets an entry of the copy's, which only calls it (copies are unwrapped)."""
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if torch.compiler.is_compiling():  # dynamo traces this frame: torch._dynamo.reset() dropped the skips
+            _entry_traced()
+            return type(module).__call__(module, *args, **kwargs)
+        attachment = getattr(module, _ATTR, None)
+        hooks = attachment.enter_compiled(module) if attachment is not None else None
+        if hooks is None:
+            return type(module).__call__(module, *args, **kwargs)
+        try:
+            with hooks:
+                return type(module).__call__(module, *args, **kwargs)
+        finally:
+            attachment.leave_compiled()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_CompileEntry":
+        module = self._module()
+        return _CompileEntry(memo.get(id(module), module))  # the model's copy, made before its state is
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _CompileEntry, (self._module(),)
+
+
+def _skip_entry_frames() -> None:
+    """Have dynamo run ``_CompileEntry.__call__`` as it is and compile the frames it calls, as
+    ``torch.compiler.disable(recursive=False)`` does, and run ``enter_compiled``/``leave_compiled`` and
+    all they call eagerly; through the C calls that ``torch._dynamo.eval_frame.skip_code`` makes, so that
+    ``daf.wrap`` does not import dynamo (seconds). ``torch._dynamo.reset()`` forgets them: the entry
+    then finds itself traced and sets them again (``_entry_traced``)."""
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    try:
+        action, strategy = eval_frame._FrameAction, eval_frame._FrameExecStrategy
+        eval_frame.set_code_exec_strategy(_CompileEntry.__call__.__code__, strategy(action.SKIP, action.DEFAULT))
+        for method in (_Attachment.enter_compiled, _Attachment.leave_compiled):
+            eval_frame.set_code_exec_strategy(method.__code__, strategy(action.SKIP, action.SKIP))
+    except AttributeError:  # another torch: the entry is traced and DAF steps aside, as under module.compile()
+        pass
+
+
+@_run_while_tracing
+def _entry_traced() -> bool:
+    """Run by dynamo, for real, while it traces ``_CompileEntry.__call__``: set the skips again."""
+    _skip_entry_frames()
+    return True
 
 
 class _Hook:
@@ -85,8 +147,9 @@ class _Attachment:
     tree is running: the root, or a child that a framework calls directly (``self.model.encoder(x)``).
     Parts that follow one another (an encoder, then a decoder) are one forward, for the report and the
     policy, until a module of a part already run (or one containing it) begins one again. Nothing begins
-    under eval, no_grad, inference_mode, while dynamo traces (one warning; a compiled part of the tree runs
-    under hooks its graphs inline instead, ``daf.runtime.in_graph``) or in backward
+    under eval, no_grad, inference_mode, while dynamo traces (a compiled part of the tree, or the model
+    compiled whole through ``_CompileEntry``, runs under hooks its graphs inline instead,
+    ``daf.runtime.in_graph``; traced without them, one warning) or in backward
     (checkpointing's recomputation: what it saves goes to the checkpoint, not to DAF).
 
     The session is closed by ``unwrap`` or, failing that, when the model is garbage-collected:
@@ -103,7 +166,8 @@ class _Attachment:
         self._subtrees: dict[int, frozenset[int]] = {}
         # a compiled module runs under hooks AOTAutograd inlines into its graphs (DAF's eager hooks never see its saves)
         self._compiled = {id(model.get_submodule(path)) for path in compiled}
-        self._in_graph = in_graph_hooks(session.config) if compiled else None
+        self.graph_saves = GraphSaves()
+        self._in_graph = in_graph_hooks(session.config, self.graph_saves) if compiled else None
         self._warned_compile = bool(compiled)  # wrap warned already
         self._warned_eval = False
         audit = session.config.audit
@@ -123,6 +187,24 @@ class _Attachment:
         if self.audit is not None:  # before the root's _begin: the audit runs before the forward it audits
             handles.append(model.register_forward_pre_hook(_Hook(self._audit, self._traced), prepend=True, with_kwargs=True))
         return handles
+
+    def enter_compiled(self, module: nn.Module) -> torch.autograd.graph.saved_tensors_hooks | None:
+        """The graph hooks to hold while ``torch.compile(daf.wrap(module))`` runs a training forward (its
+        graphs inline them), pushed as this thread's context; None when the call is not one to compress
+        (eval, no_grad, the audit's passes, nested in a forward of the tree). Dynamo runs this eagerly."""
+        if self._contexts or not self._active(module) or (self.audit is not None and self.audit.running):
+            return None
+        if self._in_graph is None:
+            self._in_graph = in_graph_hooks(self.session.config, self.graph_saves)
+        if not self._warned_compile:
+            self._warned_compile = True
+            warnings.warn(in_graph_warning("this model is compiled with torch.compile", self.session.config),
+                          stacklevel=3)
+        self._contexts.append(self._in_graph)
+        return self._in_graph
+
+    def leave_compiled(self) -> None:
+        self._contexts.pop()
 
     def _audit(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """The root's forward pre-hook: count a training forward, and audit it when due (runtime/audit.py)."""
@@ -204,7 +286,14 @@ class _Attachment:
 
     @_run_while_tracing
     def _traced(self) -> bool:
-        """Run by dynamo while it traces a hook of this tree (never at run time): warns once per model."""
+        """Run by dynamo while it traces a hook of this tree (never at run time): unless the graph hooks are
+        ambient (the graphs being traced compress), warns once per model that nothing is compressed."""
+        contexts = self._contexts
+        if contexts and contexts[-1] is not None and contexts[-1] is self._in_graph:
+            return True
+        root = self._root()
+        if root is None or not self._active(root):  # eval or no_grad: nothing would be compressed eagerly either
+            return True
         if not self._warned_compile:
             self._warned_compile = True
             warnings.warn(COMPILED_WARNING, stacklevel=1)
@@ -229,15 +318,21 @@ COPY_WARNING = ("DAF: a copy of a wrapped model (deepcopy, pickle, torch.save, A
                 "copies come back unwrapped: nothing it saves is compressed. Call daf.wrap(copy) to compress "
                 "it (docs/integrations.md, 'Copies and EMA').")
 COMPILED_WARNING = (
-    "DAF: this model runs under torch.compile(daf.wrap(model)), and DAF compresses nothing there: its hooks "
-    "step aside while dynamo traces, so the graph saves its tensors as they are (full activation memory). To "
-    "compress inside the graph, wrap the compiled model instead, daf.wrap(torch.compile(model)) (8-bit codes), "
-    "or run the wrapped model eagerly (docs/integrations.md, 'torch.compile').")
+    "DAF: dynamo traces this wrapped model without DAF's graph hooks, and DAF compresses nothing there: the "
+    "graph saves its tensors as they are (full activation memory). This happens when the compiled model is a "
+    "torch.nn container (nn.Sequential, a torch.nn layer), when a compiled function calls the model, and "
+    "under module.compile(). To compress inside the graph, compile a model whose forward is your own, "
+    "torch.compile(daf.wrap(model)), or wrap the compiled model, daf.wrap(torch.compile(model)) "
+    "(docs/integrations.md, 'torch.compile').")
 IN_GRAPH_WARNING = (
-    "DAF: {what}: inside its graphs DAF stores {bits}-bit codes (nearest rounding) of the intermediates they "
-    "save, whatever Config.bits, without the eager path's policy and derived forms, and daf.report does not "
-    "count them. Run the wrapped model eagerly for Config.bits and the report (docs/integrations.md, "
-    "'torch.compile').")
+    "DAF: {what}: inside its graphs DAF stores the policy's codes of the intermediates they save, decided "
+    "from each graph at compile time, without the eager path's derived forms{limits}. daf.report(model) "
+    "lists each graph save, its width, and why what stays raw does (docs/integrations.md, 'torch.compile').")
+
+
+def in_graph_warning(what: str, config: Config) -> str:
+    limits = in_graph_limits(config)
+    return IN_GRAPH_WARNING.format(what=what, limits="; with " + ", ".join(limits) if limits else "")
 
 
 def _remove_inert_hooks(model: nn.Module) -> None:
@@ -278,9 +373,9 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
 
     Active while ``model``, or any module of its tree called on its own, runs forward in training mode
     with grad enabled; under ``eval()``, ``torch.no_grad()`` or ``torch.inference_mode()`` nothing changes.
-    A compiled model, or compiled parts of it, wrapped after ``torch.compile``: their graphs save 8-bit codes
-    (``daf.runtime.in_graph``); ``torch.compile(wrap(model))`` compresses nothing. Either way the graphs
-    are those of the unwrapped model, and DAF warns once. A copy of the
+    Under ``torch.compile``, in either order (``torch.compile(wrap(model))``, ``wrap(torch.compile(model))``,
+    compiled parts): the graphs save the policy's codes (``daf.runtime.in_graph``), listed in the report;
+    the graphs are those of the unwrapped model, and DAF warns once with what a graph cannot do. A copy of the
     model (``copy.deepcopy``, pickle, ``torch.save``) is unwrapped: wrap it again to train it compressed.
     No layer is swapped: the module's type, parameters and state_dict stay as they are.
 
@@ -299,9 +394,11 @@ def wrap(model: nn.Module, config: Config | None = None, **overrides: Any) -> nn
     if compiled:
         what = ("this model is compiled with torch.compile" if "" in compiled
                 else f"{', '.join(compiled)} of this model run under torch.compile")
-        warnings.warn(IN_GRAPH_WARNING.format(what=what, bits=IN_GRAPH_BITS), stacklevel=2)
+        warnings.warn(in_graph_warning(what, config), stacklevel=2)
     _remove_inert_hooks(model)
     object.__setattr__(model, _ATTR, _Attachment(model, _session(config), compiled))
+    _skip_entry_frames()
+    model.__dict__["__call__"] = _CompileEntry(model).__call__  # what torch.compile(model) calls
     return model
 
 
@@ -312,6 +409,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     if attachment is None:
         raise ValueError("this model is not wrapped by DAF (use daf.wrap(model) first)")
     object.__delattr__(model, _ATTR)
+    model.__dict__.pop("__call__", None)
     attachment.detach()
     return model
 
@@ -327,7 +425,15 @@ def session_of(model: nn.Module) -> Session:
 def report(model: nn.Module | Session) -> Report:
     """What the last forward of a wrapped model (or a ``compress`` session) stored."""
     session = model if isinstance(model, Session) else session_of(model)
-    return session.report()
+    eager = session.report()
+    graph_rows = [] if isinstance(model, Session) else getattr(model, _ATTR).graph_saves.rows()
+    if not graph_rows:
+        return eager
+    graphs = len({row.site.split("/")[0] for row in graph_rows})
+    section = {"graphs": graphs, "saves": len(graph_rows), "raw": sum(row.kind == "raw" for row in graph_rows),
+               "rounding": "nearest", "groups": "min/max"}
+    return Report(rows=eager.rows + graph_rows, parameters_referenced=eager.parameters_referenced,
+                  sections={**eager.sections, "compiled graphs": section}, forward=eager.forward)
 
 
 @contextlib.contextmanager

@@ -98,7 +98,7 @@ class Report:
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)) for line in lines]
         text.append("")
-        if self.forward is None:
+        if self.forward is None and not self.rows:
             text.append("no forward seen yet in training mode with grad enabled: nothing was compressed")
         derived = sum(r.kind == "derived" for r in self.rows)
         text.append(f"{'' if self.forward is None else f'forward {self.forward}: '}activations: {_size(self.raw_bytes)} raw -> {_size(self.stored_bytes)} stored "

@@ -1,5 +1,5 @@
 """Compression inside compiled graphs (issue 39): ``daf.wrap(torch.compile(model))`` runs the compiled module
-under hooks that AOTAutograd inlines (``daf.runtime.in_graph``). ``aot_eager`` is AOTAutograd as inductor
+under hooks that AOTAutograd inlines (``daf.runtime.in_graph``); the other order is in tests/test_compile.py. ``aot_eager`` is AOTAutograd as inductor
 gets it, without building C++: a tiny block compiles in about a second."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from torch._dynamo.utils import counters
 
 import daf
 from daf.config import Config
-from daf.runtime import in_graph
 from daf.runtime.in_graph import in_graph_hooks
 
 
@@ -52,11 +51,12 @@ def test_a_compiled_block_saves_8_bit_codes_inside_its_graph():
     raw, expected = _step(torch.compile(plain, backend="aot_eager"), plain)
     torch._dynamo.reset()
     counters.clear()
-    with pytest.warns(UserWarning, match="^DAF: this model is compiled with torch.compile: inside its graphs DAF stores 8"):
-        model = daf.wrap(torch.compile(_block(), backend="aot_eager"), bits=2, min_numel=1024)
+    with pytest.warns(UserWarning, match="^DAF: this model is compiled with torch.compile: inside its graphs DAF "
+                                         "stores the policy's codes.*nearest rounding instead of stochastic"):
+        model = daf.wrap(torch.compile(_block(), backend="aot_eager"), bits=8, min_numel=1024)
     packed, got = [_step(model, model) for _ in range(2)][-1]
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
-    assert raw / packed > 2.2  # figures in docs/integrations.md
+    assert raw / packed > 2  # 2.17: fused attention's q and k stay raw (2.2 when they were 8-bit codes)
     assert float(nn.functional.cosine_similarity(got, expected, dim=0)) > 0.999
 
 
@@ -78,7 +78,7 @@ def test_relu_outputs_keep_their_sign_bits_so_backward_masks_stay_exact():
         if wrapped:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                compiled = daf.wrap(compiled, min_numel=1024)
+                compiled = daf.wrap(compiled, bits=8, min_numel=1024)
         loss = compiled(x).logsumexp(1).mean()
         held.append(_saved_by_graphs(loss))
         grads.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))]).double())
@@ -87,16 +87,28 @@ def test_relu_outputs_keep_their_sign_bits_so_backward_masks_stay_exact():
     assert held[0] / held[1] > 3.8
 
 
-def test_the_forms_follow_who_reads_the_save_in_backward():
-    class Node:  # an fx node as _form reads it
-        def __init__(self, target: str, *args: object) -> None:
-            self.target, self.args = target, args
-    relu_backward = Node("aten.threshold_backward.default", "g", "y", 0)
-    conv_backward = Node("aten.convolution_backward.default")
-    assert in_graph._form([relu_backward]) == "sign"
-    assert in_graph._form([relu_backward, conv_backward]) == "codes+sign"
-    assert in_graph._form([conv_backward]) == in_graph._form(None) == "codes"
-    assert in_graph._form([Node("aten.threshold_backward.default", "g", "y", 6)]) == "codes"  # reads more than x > 0
+def test_the_default_policy_gives_a_cnns_feature_maps_2_bits_in_the_graph_and_the_report_says_what_stays_raw():
+    torch._dynamo.reset()
+    x = torch.randn(16, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    plain = _cnn()
+    raw = _saved_by_graphs(torch.compile(plain, backend="aot_eager")(x).logsumexp(1).mean())
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = daf.wrap(torch.compile(_cnn(), backend="aot_eager"), min_numel=1024)
+    packed = _saved_by_graphs(model(x).logsumexp(1).mean())
+    rows = daf.report(model).rows
+    by_why = {}
+    for row in rows:
+        by_why.setdefault(row.why, []).append(row)
+    assert {row.bits for row in by_why["in graph: feature map"]} == {2}
+    assert {row.source for row in by_why["in graph: feature map"]} == {"convolution", "relu"}
+    assert [row.kind for row in by_why["in graph: ReLU's sign bits only, exact"]] == ["mask"]
+    assert all(row.kind == "raw" for row in by_why["in graph, raw: fewer than min_numel elements"])  # BN statistics
+    assert sum(row.raw_bytes for row in rows) / sum(row.stored_bytes for row in rows) > 4
+    assert raw / packed > 4  # what the graph holds, parameters and inputs included
+    assert daf.report(model).sections["compiled graphs"] == {"graphs": 1, "saves": len(rows), "raw": 9,  # + pooled
+                                                             "rounding": "nearest", "groups": "min/max"}
 
 
 def test_a_compiled_child_packs_in_its_graph_and_the_eager_rest_goes_through_the_session():
@@ -111,9 +123,9 @@ def test_a_compiled_child_packs_in_its_graph_and_the_eager_rest_goes_through_the
     packed, _ = _step(model, model)
     torch._dynamo.reset()
     unwrapped = nn.Sequential(nn.Linear(64, 64), nn.GELU(), torch.compile(_block(), backend="aot_eager"))
-    assert 0 < packed < _step(unwrapped, unwrapped)[0] / 2.2
-    sites = {row.site.split("#")[0] for row in daf.report(model).rows}
-    assert sites == {"0", "1"}  # the linear and GELU; none from the graph
+    assert 0 < packed < _step(unwrapped, unwrapped)[0] / 1.9  # fused attention's q and k raw
+    sites = {row.site.split("#")[0].split("/")[0] for row in daf.report(model).rows}
+    assert sites == {"0", "1", "graph0"}  # the linear and GELU through the session; the graph's saves
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "channels_last"])
@@ -121,13 +133,25 @@ def test_the_hooks_run_eagerly_too_and_keep_the_saved_layout(layout):
     x = torch.randn(8, 16, 12, 10)
     x = {"contiguous": x, "transposed": x.transpose(1, 3),
          "channels_last": x.to(memory_format=torch.channels_last)}[layout]
-    hooks = in_graph_hooks(Config(min_numel=1))
+    hooks = in_graph_hooks(Config(bits=8, min_numel=1))
     packed = hooks.pack_hook(x)
     back = hooks.unpack_hook(packed)
     assert back.shape == x.shape and back.stride() == x.stride()
     assert float((back - x).abs().max()) <= float(x.max() - x.min()) / 255  # one 8-bit step of the range
-    assert packed[0] == "codes"  # eagerly nobody says who reads the save
-    assert packed[1].dtype == torch.uint8 and packed[1].nbytes < x.nbytes / 3
+    assert packed[:2] == ("codes", 8)  # eagerly nobody says who reads the save
+    assert packed[2].dtype == torch.uint8 and packed[2].nbytes < x.nbytes / 3
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_a_boolean_save_is_1_bit_and_comes_back_exact(first):
+    mask = torch.rand(8, 64, 33, generator=torch.Generator().manual_seed(0)) > 0.1
+    mask.view(-1)[0] = first
+    mask = mask.transpose(1, 2)
+    hooks = in_graph_hooks(Config(min_numel=1))
+    packed = hooks.pack_hook(mask)
+    back = hooks.unpack_hook(packed)
+    assert packed[0] == "mask" and packed[2].nbytes == -(-mask.numel() // 8)
+    assert torch.equal(back, mask) and back.stride() == mask.stride()
 
 
 def test_the_hooks_keep_small_integer_and_overlapping_saves_as_they_are():

@@ -1,4 +1,4 @@
-"""Saved-tensor hooks that ``torch.compile`` puts inside its graphs: format-1 codes, 8 bits, nearest.
+"""Saved-tensor hooks that ``torch.compile`` puts inside its graphs: format-1 codes at the policy's widths.
 
 A compiled training step is one autograd function whose saves never reach DAF's eager hooks. PyTorch
 2.13's AOTAutograd instead inlines saved-tensor hooks given as ``torch.fx.GraphModule`` s: when the
@@ -8,77 +8,134 @@ hook into the forward graph's epilogue on each saved intermediate and the unpack
 backward graph's prologue (``graph_compile.maybe_inline_graph_saved_tensors_hooks``), and at run time
 switches ambient hooks off around the compiled function. Only intermediates the graph made (its
 "donated" buffers, ``torch._functorch.config.saved_tensors_hooks_filtering_mode``) are packed, never
-inputs or parameters.
+inputs or parameters. Dynamo guards on the identity of these hooks, so one pair per wrapped model
+compiles once.
 
-The hooks here encode with DAF's own ops (``torch.ops.daf.format1_encode``/``format1_decode``, whose
-fake implementations let AOTAutograd trace them), so eager and compiled saves share one format; a save
-ReLU's backward reads keeps its exact sign bits (``_FORMS``). What else the eager path adds is absent:
-no policy (every packed save gets 8 bits), no derived forms or sharing, no exponent guard, nearest
-rounding only (a seed in a graph is a constant: stochastic rounding would draw the same noise every
-step), no exceptional-value side table (a NaN or Inf saved in a compiled graph does not survive), and
-``daf.report`` does not see these saves.
+The hooks encode with DAF's own ops (``torch.ops.daf.format1_encode``/``format1_decode``, whose fake
+implementations let AOTAutograd trace them), so eager and compiled saves share one format. Each save's
+width and form are decided while the graph is traced, from the graph (``daf.runtime.graph_rules``: the
+policy's widths where op, shape and dtype say which rule applies, exact sign bits where only a ReLU's
+backward reads a save, booleans as 1-bit masks, fused attention's q and k raw), and recorded in
+``GraphSaves``, which ``daf.report`` shows. What the eager path adds beyond that is absent: no derived
+forms (remakes) or sharing, no exponent guard (q and k stay raw instead), no outlier split (plain min/max
+groups whatever ``Config.codec``), no floors, nearest rounding only (a seed in a graph is a constant:
+stochastic rounding would draw the same noise every step), no exceptional-value side table (a NaN or Inf
+saved in a compiled graph does not survive).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from daf.config import Config
-from daf.format import dense_order, restore_memory_order
+from daf.format import dense_order, mask_bytes, payload_bytes, restore_memory_order
+from daf.report import SiteRow
+from daf.runtime.graph_rules import Decision, GraphWidths, Readers, decide, producer_of, readers_of
 
-__all__ = ["IN_GRAPH_BITS", "in_graph_hooks"]
-
-# Lower bits need the eager path's guards (masks, derived forms, 8 bits for what backward exponentiates):
-# a transformer block's gradient cosine in a graph is 0.998 at 4 bits and 0.95 at 2 (docs/integrations.md).
-IN_GRAPH_BITS = 8
+__all__ = ["GraphSaves", "in_graph_hooks", "in_graph_limits"]
 
 
-def in_graph_hooks(config: Config) -> torch.autograd.graph.saved_tensors_hooks:
-    """The hooks to hold active while a compiled module runs (and first compiles): AOTAutograd inlines them.
+def in_graph_hooks(config: Config, saves: GraphSaves | None = None) -> torch.autograd.graph.saved_tensors_hooks:
+    """The hooks to hold active while a compiled module compiles and runs: AOTAutograd inlines them.
 
-    Each floating-point intermediate of at least ``config.min_numel`` elements laid out densely (any
-    stride order) is saved as ``IN_GRAPH_BITS``-bit codes in groups of ``config.group_size``
-    (``daf.format.payload_bytes(numel, 8, group_size)`` bytes); other saves are kept as they are. Run
-    eagerly (a graph break inside the compiled module), the same hooks pack the eager saves.
+    Each save is decided at trace time (``daf.runtime.graph_rules``) and, with ``saves`` given, recorded
+    there. Run eagerly (a graph break inside the compiled module), the same hooks pack the eager saves:
+    floating-point ones of at least ``config.min_numel`` elements as the policy's ``bits``-rule codes.
     """
     # here, not at import: ``import daf`` stays free of the kernels (tests/test_import.py)
-    import daf.kernels.mask_ops  # noqa: F401  registers torch.ops.daf.relu_mask_encode, mask_unpack
+    import daf.kernels.mask_ops  # noqa: F401  registers torch.ops.daf.relu_mask_encode, mask_encode, mask_unpack
     import daf.kernels.ops  # noqa: F401  registers torch.ops.daf.format1_encode, format1_decode
 
-    pack, unpack = _codec(config.group_size, config.min_numel)
+    pack, unpack = _codec(config, GraphWidths.of(config), saves)
     return torch.autograd.graph.saved_tensors_hooks(_graph_of(pack), _graph_of(unpack))
 
 
-def _codec(group_size: int, min_numel: int) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+def in_graph_limits(config: Config) -> list[str]:
+    """What of ``config`` compiled graphs cannot do, one phrase each (for the warning ``daf.wrap`` gives)."""
+    limits = [GraphWidths.of(config).fallback] if GraphWidths.of(config).fallback else []
+    if config.rounding == "stochastic":
+        limits.append("nearest rounding instead of stochastic (a graph's seed is a constant)")
+    if type(config.codec).__name__ != "MinMax":
+        limits.append(f"plain min/max groups instead of {type(config.codec).__name__}")
+    if config.floors:
+        limits.append("no floors (they name eager torch functions)")
+    return limits
+
+
+class GraphSaves:
+    """What the compiled graphs of one wrapped model pack, recorded as AOTAutograd traces the pack hook.
+
+    Rows are kept per graph; a graph compiled again with the same saves (a new batch size) replaces the
+    rows of the one before, so the rows describe the graphs a step runs (one per compiled region), not
+    every compile. Compiles may run on any thread: a lock guards the rows."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._graphs: dict[int, dict[str, SiteRow]] = {}  # id(forward graph) -> node name -> row
+
+    def record(self, graph: Any, row: SiteRow) -> None:
+        with self._lock:
+            rows = self._graphs.setdefault(id(graph), {})
+            rows[row.site] = row  # AOTAutograd runs the pack hook twice per save: once plain, once to trace it
+
+    def rows(self) -> list[SiteRow]:
+        """The rows of the latest graph of each kind (kinds: the same saved node names), in compile order."""
+        with self._lock:
+            latest: dict[tuple[str, ...], dict[str, SiteRow]] = {}
+            for rows in self._graphs.values():
+                key = tuple(rows)
+                latest.pop(key, None)
+                latest[key] = rows
+        out = []
+        for index, rows in enumerate(latest.values()):
+            out.extend(SiteRow(**{**row.__dict__, "site": f"graph{index}/{row.site}"}) for row in rows.values())
+        return out
+
+
+def _codec(config: Config, widths: GraphWidths,
+           saves: GraphSaves | None) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
     """(pack, unpack) as plain functions: AOTAutograd traces them on each saved value's fake tensor, so their
     Python branches (dtype, size, layout, who reads the save) are decided once per save at compile time.
-    A packed save is ``(form, payload, sign bits, shape, order, dtype)``, ``form`` one of ``_FORMS``."""
+    A packed save is ``(form, bits, payload, sign bits, shape, order, dtype)``, ``form`` a ``Decision``'s; a
+    boolean's "sign bits" are its first element (``mask_encode`` marks where the others differ from it)."""
+    group_size = config.group_size
 
     def daf_pack(x: torch.Tensor) -> Any:
         order = dense_order(x)
-        if not x.dtype.is_floating_point or x.numel() < min_numel or order is None:
+        graph, node, readers = _trace_context()
+        decision = (decide(x, producer_of(node) if node is not None else None, readers, widths, config)
+                    if order is not None else Decision("raw", None, _STRIDED))
+        if saves is not None and node is not None:
+            saves.record(graph, _row(node, x, decision, group_size))
+        if decision.form == "raw":
             return x
         flat = x.permute(order).reshape(-1)
-        form = _form(_backward_readers())
-        payload = None if form == "sign" else torch.ops.daf.format1_encode(flat, IN_GRAPH_BITS, group_size, False, 0)[0]
-        sign = None if form == "codes" else torch.ops.daf.relu_mask_encode(flat)
-        return form, payload, sign, tuple(x.shape), order, x.dtype
+        if decision.form == "mask":  # bits where an element differs from the first, and the first
+            return "mask", 1, torch.ops.daf.mask_encode(flat), flat[:1].clone(), tuple(x.shape), order, x.dtype
+        payload = (None if decision.form == "sign" else
+                   torch.ops.daf.format1_encode(flat, decision.bits, group_size, False, 0)[0])
+        sign = None if decision.form == "codes" else torch.ops.daf.relu_mask_encode(flat)
+        return decision.form, decision.bits, payload, sign, tuple(x.shape), order, x.dtype
 
     def daf_unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        form, payload, sign, shape, order, dtype = packed
+        form, bits, payload, sign, shape, order, dtype = packed
         numel = 1
         for size in shape:
             numel *= size
+        if form == "mask":
+            flat = torch.logical_xor(torch.ops.daf.mask_unpack(payload, numel), sign)
+            return restore_memory_order(flat, shape, order)
         positive = None if sign is None else torch.ops.daf.mask_unpack(sign, numel)
         if form == "sign":
             flat = positive.to(dtype)
         else:
-            flat = torch.ops.daf.format1_decode(payload, numel, IN_GRAPH_BITS, group_size, dtype)
+            flat = torch.ops.daf.format1_decode(payload, numel, bits, group_size, dtype)
         if form == "codes+sign":  # a value that rounded across 0 would flip threshold_backward's mask
             flat = torch.where(positive, flat.clamp_min(torch.finfo(dtype).tiny), flat.clamp_max(0))
         return restore_memory_order(flat, shape, order)  # backward's views expect the saved strides
@@ -86,44 +143,54 @@ def _codec(group_size: int, min_numel: int) -> tuple[Callable[[torch.Tensor], An
     return daf_pack, daf_unpack
 
 
-# How a save is packed: codes; codes and the exact sign bits x > 0 (1 bit more per element) when a
-# ReLU's backward reads the save besides ops that read its values; the sign bits alone when only ReLU's
-# backward (threshold_backward at 0, which reads nothing but x > 0) does.
-_FORMS = ("codes", "codes+sign", "sign")
-_ALIASES = frozenset({"aten.detach.default", "aten.alias.default"})
+# A view with gaps (one of q, k, v sliced from a fused projection) shares its storage with its siblings: coding
+# it alone would free nothing, and backward's compiled code expects its strides.
+_STRIDED = "in graph, raw: a strided view into a larger tensor (coding it would not free that tensor)"
 
 
-def _form(readers: list[Any] | None) -> str:
-    signs = [node for node in readers or () if _reads_sign_only(node)]
-    if not signs:
-        return "codes"
-    return "sign" if len(signs) == len(readers) else "codes+sign"
-
-
-def _reads_sign_only(node: Any) -> bool:
-    return str(node.target) == "aten.threshold_backward.default" and len(node.args) > 2 and node.args[2] == 0
-
-
-def _backward_readers() -> list[Any] | None:
-    """The backward graph's nodes that read the save being packed (through detach and alias), or None when
-    not known: the hook runs eagerly, or torch moved this private context (then every save is codes).
+def _trace_context() -> tuple[Any, Any, Readers | None]:
+    """(forward graph, saved node, its backward readers) while AOTAutograd traces the hook, else Nones (the
+    hook runs eagerly, or torch moved this private context: then every save is ``bits`` codes).
 
     AOTAutograd sets the context while it traces the hooks (``_saved_tensor_hook_context``: the forward and
     backward graphs and the saved node; "may change without backward compatibility", hence the guard)."""
     try:
         from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
         context = _get_saved_tensor_hook_context() or {}
-        node, backward = context.get("_node"), context.get("_bw_graph")
+        graph, node, backward = context.get("_fw_graph"), context.get("_node"), context.get("_bw_graph")
     except (ImportError, AttributeError):
-        return None
+        return None, None, None
     if node is None or backward is None:
-        return None
-    pending = [n for n in backward.find_nodes(op="placeholder") if n.name == node.name]
-    readers = []
-    while pending:
-        for user in pending.pop().users:
-            (pending if str(user.target) in _ALIASES else readers).append(user)
-    return readers
+        return None, None, None
+    return graph, node, readers_of(node, backward)
+
+
+def _row(node: Any, x: torch.Tensor, decision: Decision, group_size: int) -> SiteRow:
+    shape = tuple(_hint(size) for size in x.shape)
+    numel = 1
+    for size in shape:
+        numel *= size
+    raw = numel * x.element_size()
+    if decision.form == "raw":
+        stored, kind = raw, "raw"
+    elif decision.form in ("mask", "sign"):
+        stored, kind = mask_bytes(numel), "mask"
+    else:
+        stored = payload_bytes(numel, decision.bits, group_size)
+        stored += mask_bytes(numel) if decision.form == "codes+sign" else 0
+        kind = "compressed"
+    source = producer_of(node) or node.op
+    return SiteRow(site=node.name, source=source.replace("aten.", "").replace(".default", ""), shape=shape,
+                   dtype=str(x.dtype).replace("torch.", ""), bits=decision.bits, raw_bytes=raw, stored_bytes=stored,
+                   kind=kind, why=decision.why)
+
+
+def _hint(size: Any) -> int:
+    """A size as an int: a symbolic one (dynamic shapes) by its hint, without adding a guard."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if hint is not None else -1
 
 
 def _graph_of(function: Callable[..., Any]) -> torch.fx.GraphModule:

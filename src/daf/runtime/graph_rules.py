@@ -1,0 +1,192 @@
+"""What a compiled graph's save gets, decided at trace time from the graph alone: op, shape, dtype.
+
+AOTAutograd traces DAF's pack hook once per saved value (``daf.runtime.in_graph``) and says which forward
+node is saved and which backward nodes read it. These rules are the graph's reading of the eager policy
+(``daf.Auto``, ``daf.policy.auto``): a feature map (what convolutions, batch norms, pooling and the ReLUs
+between them make or read, 3-D and more) gets ``feature_map_bits``; what backward reads through a saturating
+or exponentiating function (tanh's, sigmoid's, softmax's outputs, or their inputs where the compiler
+recomputes the function in backward) and fused attention's v and output get ``sensitive_bits``; everything
+else ``bits``. Under ``Uniform`` every coded save gets ``Config.bits``. A policy that decides from data at
+run time (``Adaptive``, registered ones) cannot: its saves get 8 bits, and the report says so.
+
+What stays raw, and why, is in each ``Decision``: integers (pooling indices), fewer than
+``Config.min_numel`` elements, overlapping or broadcast views, and fused attention's q, k and logsumexp,
+whose safe width depends on the logits' magnitude (``daf.policy.exponent_guard``), which a trace does not see.
+Graph nodes are read by their ``target`` names, for both backends: ``aot_eager`` keeps backward ops whole
+(``aten.threshold_backward``), inductor decomposes them (a ReLU's mask saved as a bool, tanh recomputed
+from its input), and both forms are in the tables below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from daf.config import Auto, Config, Uniform
+
+__all__ = ["Decision", "GraphWidths", "Readers", "decide", "producer_of", "readers_of"]
+
+FALLBACK_BITS = 8
+
+# Ops that give a view or an unchanged copy of their first argument: a save's producer is looked up past them.
+_PASS_THROUGH = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.transpose.int",
+    "aten.permute.default", "aten.t.default", "aten.detach.default", "aten.alias.default", "aten.expand.default",
+    "aten.squeeze.dim", "aten.squeeze.dims", "aten.unsqueeze.default", "aten.clone.default",
+    "aten.contiguous.default", "prims.convert_element_type.default", "<built-in function getitem>",
+})
+_ALIASES = frozenset({"aten.detach.default", "aten.alias.default"})
+_FEATURE_MAP_PRODUCERS = frozenset(f"aten.{name}.default" for name in (
+    "convolution", "relu", "_native_batch_norm_legit_functional", "native_batch_norm", "_native_batch_norm_legit",
+    "native_group_norm", "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool2d", "avg_pool3d",
+    "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool2d", "hardtanh", "leaky_relu", "relu6",
+    "hardswish", "hardsigmoid", "_low_memory_max_pool_with_offsets", "upsample_nearest2d", "upsample_bilinear2d"))
+_FEATURE_MAP_READERS = frozenset(f"aten.{name}.default" for name in (
+    "convolution_backward", "native_batch_norm_backward", "native_group_norm_backward", "threshold_backward",
+    "hardtanh_backward", "leaky_relu_backward", "max_pool2d_with_indices_backward",
+    "max_pool3d_with_indices_backward", "avg_pool2d_backward", "avg_pool3d_backward",
+    "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward", "adaptive_max_pool2d_backward",
+    "hardswish_backward", "hardsigmoid_backward"))
+# Readers that make a save a transformer's, whatever made it: eager Auto gives what these save ``bits``.
+_NOT_FEATURE_MAP_READERS = frozenset(f"aten.{name}.default" for name in (
+    "mm", "bmm", "addmm", "native_layer_norm_backward", "gelu_backward", "silu_backward"))
+# Functions whose output backward reads through a saturating derivative, or that backward applies to the save.
+_SATURATING = frozenset(f"aten.{name}.default" for name in (
+    "tanh", "sigmoid", "exp", "_softmax", "_safe_softmax", "_log_softmax", "tanh_backward", "sigmoid_backward",
+    "_softmax_backward_data", "_log_softmax_backward_data"))
+# Elementwise steps a softmax decomposes into after its exp (inductor's ``div(exp(x - max), sum)``, ``where``).
+_ELEMENTWISE = frozenset({"aten.div.Tensor", "aten.mul.Tensor", "aten.where.self", "aten.sub.Tensor",
+                          "prims.convert_element_type.default", "aten.clone.default"})
+_FUSED_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+_FUSED_RAW = {"query": "fused attention's q", "key": "fused attention's k", "logsumexp": "fused attention's logsumexp"}
+_FUSED_SENSITIVE = frozenset({"value", "out", "output"})
+# Readers that read nothing but x > 0: ReLU's backward whole (aot_eager), or its mask recomputed from the
+# save (inductor's partitioner: ``le(x, 0)``), whose decoded value must not round across 0.
+_SIGN_ONLY = {"aten.threshold_backward.default": 2, "aten.le.Scalar": 1, "aten.gt.Scalar": 1}
+
+_WHY = {"bits": "in graph: linear, norm or activation input", "feature_map_bits": "in graph: feature map",
+        "sensitive_bits": "in graph: saturating derivative or attention values"}
+
+
+@dataclass(frozen=True)
+class GraphWidths:
+    """The policy's widths as a graph can apply them: one per rule name (``Auto``'s field names)."""
+
+    bits: int
+    feature_map_bits: int
+    sensitive_bits: int
+    fallback: str = ""  # why the policy's own widths could not be used, or ""
+
+    @staticmethod
+    def of(config: Config) -> "GraphWidths":
+        policy = config.policy
+        if isinstance(policy, Auto):
+            return GraphWidths(policy.bits, policy.feature_map_bits, policy.sensitive_bits)
+        if isinstance(policy, Uniform) and config.bits is not None:
+            return GraphWidths(config.bits, config.bits, config.bits)
+        name = type(policy).__name__
+        return GraphWidths(FALLBACK_BITS, FALLBACK_BITS, FALLBACK_BITS,
+                           f"the {name} policy decides from data at run time, which a graph cannot: "
+                           f"{FALLBACK_BITS} bits in graphs")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one save is packed. ``form``: "codes", "codes+sign" (codes and the exact sign bits, when a ReLU's
+    backward reads the save besides ops that read its values), "sign" (the sign bits alone: only a ReLU's
+    backward reads it), "mask" (a boolean, 1 bit per element) or "raw"; ``bits`` is the code width."""
+
+    form: str
+    bits: int | None
+    why: str
+
+
+@dataclass(frozen=True)
+class Readers:
+    """The backward graph's nodes that read one save (``nodes``), and the nodes that stand for the save
+    there (``sources``: its placeholder, and detach/alias nodes of it)."""
+
+    nodes: tuple[Any, ...]
+    sources: frozenset[Any]
+
+
+def decide(x: torch.Tensor, producer: str | None, readers: Readers | None, widths: GraphWidths,
+           config: Config) -> Decision:
+    """The decision for ``x`` saved from a node made by ``producer`` and read by ``readers`` (None when not
+    known: the hooks run eagerly, then every float save is ``bits`` codes)."""
+    if x.dtype == torch.bool and config.masks:
+        return Decision("mask", 1, "in graph: boolean mask, exact")
+    if not x.dtype.is_floating_point:
+        return Decision("raw", None, "in graph, raw: integer or boolean (indices, masks with masks=False)")
+    if x.numel() < config.min_numel:
+        return Decision("raw", None, "in graph, raw: fewer than min_numel elements")
+    nodes = readers.nodes if readers is not None else ()
+    fused = _fused_attention_role(readers) if readers is not None else None
+    if fused in _FUSED_RAW:
+        return Decision("raw", None, f"in graph, raw: {_FUSED_RAW[fused]} (its safe width needs the logits' "
+                                     "magnitude, which a trace does not see)")
+    rule = "sensitive_bits" if fused is not None else _rule(x, producer, nodes)
+    bits = getattr(widths, rule)
+    why = _WHY[rule] + (f" ({widths.fallback})" if widths.fallback else "")
+    signs = [node for node in nodes if _reads_sign_only(node)]
+    if signs and len(signs) == len(nodes):
+        return Decision("sign", 1, "in graph: ReLU's sign bits only, exact")
+    return Decision("codes+sign" if signs else "codes", bits, why)
+
+
+def _rule(x: torch.Tensor, producer: str | None, readers: Any) -> str:
+    targets = {str(node.target) for node in readers}
+    if producer in _SATURATING or targets & _SATURATING:
+        return "sensitive_bits"
+    feature_map = producer in _FEATURE_MAP_PRODUCERS or bool(targets & _FEATURE_MAP_READERS)
+    if x.dim() >= 3 and feature_map and not targets & _NOT_FEATURE_MAP_READERS:
+        return "feature_map_bits"
+    return "bits"
+
+
+def _reads_sign_only(node: Any) -> bool:
+    threshold = _SIGN_ONLY.get(str(node.target))
+    return threshold is not None and len(node.args) > threshold and node.args[threshold] == 0
+
+
+def _fused_attention_role(readers: Readers) -> str | None:
+    """The argument name a fused attention backward reads the save as ("query", "value", ...), or None."""
+    for node in readers.nodes:
+        target = node.target
+        if not any(part in str(target) for part in _FUSED_ATTENTION) or not hasattr(target, "_schema"):
+            continue
+        for argument, value in zip(target._schema.arguments, node.args):
+            if value in readers.sources:
+                return argument.name
+    return None
+
+
+def producer_of(node: Any, depth: int = 4) -> str | None:
+    """The target of the op that made ``node``, past views and copies; through a softmax's decomposed
+    elementwise tail (``div``, ``where``) to its ``exp`` when there is one within ``depth`` steps."""
+    while node is not None and node.op == "call_function" and str(node.target) in _PASS_THROUGH:
+        node = node.args[0] if node.args else None
+    if node is None or node.op != "call_function":
+        return None
+    target = str(node.target)
+    if target in _ELEMENTWISE and depth > 0:
+        for argument in node.args:
+            if hasattr(argument, "op") and producer_of(argument, depth - 1) in _SATURATING:
+                return "aten.exp.default"
+    return target
+
+
+def readers_of(node: Any, backward: Any) -> Readers:
+    """Who reads the saved forward ``node`` in ``backward`` (through detach and alias)."""
+    pending = [n for n in backward.find_nodes(op="placeholder") if n.name == node.name]
+    sources, readers = set(pending), []
+    while pending:
+        for user in pending.pop().users:
+            if str(user.target) in _ALIASES:
+                sources.add(user)
+                pending.append(user)
+            else:
+                readers.append(user)
+    return Readers(tuple(readers), frozenset(sources))

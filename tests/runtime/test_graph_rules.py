@@ -1,0 +1,105 @@
+"""The rules that give a compiled graph's save its width (``daf.runtime.graph_rules``), from a table: what made
+the save, who reads it in backward, its dtype and shape, and the policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from daf.config import Adaptive, Auto, Config
+from daf.runtime.graph_rules import GraphWidths, Readers, decide, producer_of
+
+
+class Node:
+    """A backward fx node as the rules read it."""
+
+    def __init__(self, target: object, *args: object) -> None:
+        self.target, self.args = target, args
+
+
+SAVED = Node("placeholder")
+RELU_BACKWARD = Node("aten.threshold_backward.default", "g", SAVED, 0)
+aten = torch.ops.aten
+FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _readers(*nodes: Node) -> Readers:
+    return Readers(tuple(nodes), frozenset({SAVED}))
+
+
+FEATURE_MAP = torch.empty(4, 8, 16, 16)
+ROWS = torch.empty(512, 256)
+CASES = [  # (save, producer, readers, form, bits, why contains)
+    (FEATURE_MAP, "aten.convolution.default", _readers(Node("aten.native_batch_norm_backward.default")),
+     "codes", 2, "feature map"),
+    (FEATURE_MAP, "aten.convolution.default", _readers(Node("aten.sub.Tensor")), "codes", 2, "feature map"),  # inductor
+    (FEATURE_MAP, "aten.relu.default", _readers(RELU_BACKWARD), "sign", 1, "sign bits"),
+    (FEATURE_MAP, "aten.relu.default", _readers(RELU_BACKWARD, Node("aten.max_pool2d_with_indices_backward.default")),
+     "codes+sign", 2, "feature map"),
+    (ROWS, "aten.relu.default", _readers(RELU_BACKWARD, Node("aten.mm.default")), "codes+sign", 4, "linear"),
+    # inductor's partitioner recomputes ReLU's mask from the save: the sign must survive the codes
+    (FEATURE_MAP, "aten.relu.default", _readers(Node("aten.le.Scalar", SAVED, 0), Node("aten.convolution_backward.default")),
+     "codes+sign", 2, "feature map"),
+    (FEATURE_MAP, "aten.relu.default", _readers(Node("aten.le.Scalar", SAVED, 0)), "sign", 1, "sign bits"),
+    (FEATURE_MAP, "aten.add.Tensor", _readers(Node("aten.le.Scalar", SAVED, 1)), "codes", 4, "linear"),
+    (ROWS, "aten.addmm.default", _readers(Node("aten.gelu_backward.default")), "codes", 4, "linear"),
+    (ROWS, "aten.addmm.default", _readers(Node("aten.tanh.default")), "codes", 8, "saturating"),  # recomputed tanh
+    (ROWS, "aten._softmax.default", _readers(Node("aten._softmax_backward_data.default")), "codes", 8, "saturating"),
+    (torch.empty(4, 8, 64, 64), "aten.convolution.default", _readers(Node("aten.mm.default")), "codes", 4, "linear"),
+    (torch.empty(64, 64, dtype=torch.bool), "aten.gt.Scalar", _readers(Node("aten.mul.Tensor")), "mask", 1, "boolean"),
+    (torch.empty(64, 64, dtype=torch.int64), "aten.max_pool2d_with_indices.default", _readers(), "raw", None, "integer"),
+    (torch.empty(16), "aten.convolution.default", _readers(), "raw", None, "min_numel"),
+    (ROWS, None, None, "codes", 4, "linear"),  # eagerly: nobody says who reads it
+]
+
+
+@pytest.mark.parametrize("save, producer, readers, form, bits, why", CASES)
+def test_the_default_policy_in_a_graph(save, producer, readers, form, bits, why):
+    config = Config(min_numel=64)
+    got = decide(save, producer, readers, GraphWidths.of(config), config)
+    assert (got.form, got.bits) == (form, bits) and why in got.why
+
+
+@pytest.mark.parametrize("role, form, bits", [("query", "raw", None), ("key", "raw", None), ("value", "codes", 8),
+                                              ("out", "codes", 8), ("logsumexp", "raw", None)])
+def test_fused_attention_keeps_q_k_and_logsumexp_raw_and_codes_v_and_the_output_at_8_bits(role, form, bits):
+    names = [argument.name for argument in FLASH_BACKWARD._schema.arguments]
+    args = [Node(f"other{i}") for i in range(len(names))]
+    args[names.index(role)] = SAVED
+    config = Config(min_numel=64)
+    got = decide(torch.empty(4, 4, 64, 16), None, _readers(Node(FLASH_BACKWARD, *args)), GraphWidths.of(config), config)
+    assert (got.form, got.bits) == (form, bits)
+    if form == "raw":
+        assert "logits' magnitude" in got.why
+
+
+def test_uniform_bits_apply_everywhere_and_adaptive_falls_back_to_8_bits_saying_so():
+    uniform = Config(bits=2)
+    for save, producer, readers, form, _, _ in CASES:
+        if form in ("codes", "codes+sign"):
+            assert decide(save, producer, readers, GraphWidths.of(uniform), uniform).bits == 2
+    adaptive = Config(policy=Adaptive(average=2.0))
+    got = decide(ROWS, "aten.addmm.default", _readers(Node("aten.mm.default")), GraphWidths.of(adaptive), adaptive)
+    assert got.bits == 8 and "Adaptive policy decides from data at run time" in got.why
+    assert GraphWidths.of(Config(policy=Auto(bits=8, feature_map_bits=4))) == GraphWidths(8, 4, 8)
+
+
+def test_masks_false_keeps_booleans_raw():
+    config = Config(min_numel=1, masks=False)
+    got = decide(torch.empty(64, dtype=torch.bool), None, _readers(), GraphWidths.of(config), config)
+    assert got.form == "raw"
+
+
+def test_the_producer_is_found_past_views_and_a_softmax_tail():
+    def softmax_tail(x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(x - x.amax(-1, keepdim=True))
+        return torch.where(x > -1e9, e / e.sum(-1, keepdim=True), 0).transpose(0, 1)
+
+    def conv_view(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.conv2d(x, w).flatten(1).t()
+
+    graph = make_fx(softmax_tail)(torch.randn(4, 8)).graph
+    assert producer_of(graph.output_node().args[0]) == "aten.exp.default"
+    graph = make_fx(conv_view)(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)).graph
+    assert producer_of(graph.output_node().args[0]) == "aten.convolution.default"
