@@ -38,6 +38,8 @@ from torch import nn
 
 import daf
 
+from compile_graphs import held_bytes  # noqa: E402 - the benchmarks folder is on sys.path when run
+
 VARIANTS = ("plain", "compile(wrap(m))", "wrap(compile(m))", "budget")
 
 
@@ -92,22 +94,6 @@ class Variant:
         held = held_bytes(loss, self.params)
         grads = torch.autograd.grad(loss, self.params, allow_unused=True)
         return torch.cat([g.flatten() for g in grads if g is not None]).double(), held
-
-
-def held_bytes(loss: torch.Tensor, parameters: list[torch.Tensor]) -> int:
-    """Bytes the compiled functions behind ``loss`` hold for backward (packed saves included), but for the
-    parameters, which they hold too and which live on anyway."""
-    weights = {p.untyped_storage().data_ptr() for p in parameters}
-    seen, total, nodes = set(), 0, [loss.grad_fn]
-    while nodes:
-        node = nodes.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if "CompiledFunction" in type(node).__name__:
-            total += sum(t.nbytes for t in node.saved_tensors if t.untyped_storage().data_ptr() not in weights)
-        nodes.extend(next_node for next_node, _ in node.next_functions)
-    return total
 
 
 def measure(model_name: str, variants: list[str], args: argparse.Namespace, config: dict[str, Any]) -> list[dict]:
