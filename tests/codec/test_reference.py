@@ -158,3 +158,21 @@ def test_bad_input_is_refused_clearly():
     payload, _, _ = encode_flat(torch.randn(100), 2, 16, False, 0)
     with pytest.raises(ValueError, match="need"):
         decode_flat(payload[:-1], 100, 2, 16, torch.float32)
+
+
+@pytest.mark.parametrize("chunk_elements", [64, 1000, 1 << 30])
+def test_bytes_do_not_depend_on_the_chunk_size(monkeypatch, chunk_elements):
+    # Accelerators encode in larger chunks than the CPU (kernels/reference.py chunk_groups): same bytes.
+    import daf.kernels.reference as reference
+    torch.manual_seed(5)
+    x = torch.randn(5000) * 4
+    x[[7, 3000]] = torch.tensor([float("nan"), 1e30])
+    x[4096:4160] = 1e-41  # a tiny group: its elements go to the side table
+    expected = [encode_flat(x, 2, 64, True, 11), decode_flat(encode_flat(x, 2, 64, True, 11)[0], 5000, 2, 64,
+                                                               torch.float32)]
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", chunk_elements)
+    payload, index, value = encode_flat(x, 2, 64, True, 11)
+    assert torch.equal(payload, expected[0][0])
+    assert torch.equal(index, expected[0][1])
+    assert torch.equal(value.nan_to_num(), expected[0][2].nan_to_num())
+    assert torch.equal(decode_flat(payload, 5000, 2, 64, torch.float32), expected[1])

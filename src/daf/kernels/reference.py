@@ -80,6 +80,17 @@ def _int_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
 # Elements per chunk: keeps the temporaries of the reference small (a few MiB), so that they
 # are reused from the allocator's free lists instead of growing the heap under long-lived codes.
 CHUNK_ELEMENTS = 1 << 18
+# On an accelerator each chunk costs a dozen kernel launches of host time (ResNet-18's saves on an
+# H200: 12 chunks each, 0.9 s per step against fp32's 11 ms), and its caching allocator reuses the
+# temporaries whatever their size: one chunk of up to 64 MiB of float32.
+DEVICE_CHUNK_ELEMENTS = 1 << 24
+
+
+def chunk_groups(device: torch.device, group_size: int) -> int:
+    """Whole groups per chunk of the reference's loops on ``device``: the bytes never depend on it
+    (the noise and the rows are indexed by absolute position)."""
+    elements = CHUNK_ELEMENTS if device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
+    return max(1, elements // group_size)
 
 
 def encode_flat(
@@ -89,14 +100,14 @@ def encode_flat(
 
     x: float32|float16|bfloat16|float64 [numel], contiguous ->
     (payload uint8 [num_groups * row_bytes], exc_index int64 [n] or None, exc_value x.dtype [n] or None).
-    O(numel) time; temporaries of O(min(numel, CHUNK_ELEMENTS)) bytes.
+    O(numel) time; temporaries of one chunk's bytes (``chunk_groups``).
     """
     numel = x.numel()
     groups = num_groups(numel, group_size)
     payload = torch.empty(groups * row_bytes(bits, group_size), dtype=torch.uint8, device=x.device)
     rows = payload.view(groups, row_bytes(bits, group_size))
     exceptions = []
-    step = max(1, CHUNK_ELEMENTS // group_size) * group_size
+    step = chunk_groups(x.device, group_size) * group_size
     for start in range(0, numel, step):
         stop = min(numel, start + step)
         found = _encode_rows(x[start:stop], rows[start // group_size: -(-stop // group_size)], bits,
@@ -118,7 +129,7 @@ def exception_table(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor | No
     """
     flat = x.reshape(-1)
     found = []
-    step = max(1, CHUNK_ELEMENTS // group_size) * group_size
+    step = chunk_groups(flat.device, group_size) * group_size
     for start in range(0, flat.numel(), step):
         part = flat[start:start + step]
         exceptional, _, _ = _exceptions(_padded_groups(part, group_size))
@@ -209,7 +220,7 @@ def decode_flat(
                          f"group_size {group_size} need {expected}")
     out = torch.empty(numel, dtype=dtype, device=payload.device)
     rows = payload.view(groups, row_bytes(bits, group_size))
-    step = max(1, CHUNK_ELEMENTS // group_size)
+    step = chunk_groups(payload.device, group_size)
     for first in range(0, groups, step):
         chunk = rows[first:first + step]
         start = first * group_size
