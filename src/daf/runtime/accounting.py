@@ -14,6 +14,7 @@ from daf.tracing import TensorTable, tensor_key
 __all__ = ["Accounting"]
 
 _ROW_KIND = {Kind.RAW: "raw", Kind.SHARED: "shared", Kind.MASK: "mask", Kind.RELU_MASK: "mask",
+             Kind.REGION_MASK: "mask",
              Kind.NONZEROS: "compressed", Kind.CODES: "compressed", Kind.DERIVED: "derived"}
 
 

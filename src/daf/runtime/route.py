@@ -8,7 +8,10 @@ In order (the first that holds decides):
    parameter lives on anyway and backward recasts it (``daf.runtime.derived``); another cast of one (a
    clone of the copy, a cast to another memory format): kept raw, since coarse codes of a weight spoil every input
    gradient;
-2. ReLU's own save of its output, with masks on: an exact 1-bit mask (``relu_mask``);
+2. ReLU's own save of its output, with masks on: an exact 1-bit mask (``relu_mask``); the save of an op
+   whose backward reads only which region it is in (hardtanh and ReLU6, leaky ReLU, hardsigmoid, clamp
+   with number bounds: ``daf.tracing.regions``), with masks on: the exact bit of the region, decoded to
+   one value inside it (``region_mask``), for that op alone;
 3. not compressible (no autograd history, not floating point, small, sparse, meta, float64
    magnitudes the codes cannot carry): an exact mask if it holds two values, else kept raw. A tensor
    without history that a submodule made in this forward (a frozen layer's output, LoRA's dropped-out
@@ -45,7 +48,7 @@ import torch
 from daf.codec.mask import MASK_DTYPES, two_values
 from daf.codec.nonzeros import nonzeros_of
 from daf.format import FLOAT_DTYPES
-from daf.tracing import (OpCall, cast_of_parameter, frozen_parameter_of_cast, parameter_of_cast,
+from daf.tracing import (OpCall, cast_of_parameter, frozen_parameter_of_cast, parameter_of_cast, region_of,
                          stored_as_probabilities)
 
 __all__ = ["Kind", "Encoding", "Context", "Remake", "route", "derives"]
@@ -57,6 +60,7 @@ class Kind(enum.Enum):
     RAW = "raw"
     SHARED = "shared"
     RELU_MASK = "relu_mask"
+    REGION_MASK = "region_mask"
     MASK = "mask"
     NONZEROS = "nonzeros"
     CODES = "codes"
@@ -64,7 +68,7 @@ class Kind(enum.Enum):
     @property
     def stored(self) -> bool:
         """Whether DAF encodes and stores the tensor (else autograd keeps it, or an earlier record)."""
-        return self in (Kind.RELU_MASK, Kind.MASK, Kind.NONZEROS, Kind.CODES)
+        return self in (Kind.RELU_MASK, Kind.REGION_MASK, Kind.MASK, Kind.NONZEROS, Kind.CODES)
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,9 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
         return RAW
     if context.masks and context.op is not None and context.op.is_relu and is_relu_result(tensor):
         return RELU_MASK
+    region = region_of(tensor, context.op) if context.masks and compressible(tensor, context.min_numel) else None
+    if region is not None:
+        return Encoding(Kind.REGION_MASK, 1, "mask", region[1], data=region[0])
     if not compressible(tensor, context.min_numel, context.input_made_here):
         return _mask_or(tensor, context, RAW)
     if context.shared is not None:

@@ -27,6 +27,8 @@ from daf.runtime.layout import reads_any_layout, restores_channels_last, restore
 from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version
 from daf.runtime.remakes import ABSENT, LinearCalls, NormCalls, Remakes
 from daf.runtime.route import Context, Encoding, Kind, route
+
+EXACT = (Kind.MASK, Kind.RELU_MASK, Kind.REGION_MASK)  # records that decode to what the op reads, bit for bit
 from daf.runtime.snapshots import MaskCopies
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call,
                          masked_product_of, nodes_made_by, parameter_storages, tensors_in)
@@ -299,13 +301,13 @@ class Session:
             packed = self.codecs.encode(encoding.codec, data, spec)
             saved = Saved(self.store, self.store.put(packed, importance, site), site, Source(tensor), None, mask)
             stored = packed.nbytes
-        saved.exact, saved.numel, saved.bits = encoding.kind in (Kind.MASK, Kind.RELU_MASK), tensor.numel(), encoding.bits
+        saved.exact, saved.numel, saved.bits = encoding.kind in EXACT, tensor.numel(), encoding.bits
         saved.channels_last = restores_channels_last(tensor, op, self.config.channels_last)
-        if tensor.grad_fn is not None and encoding.kind is not Kind.RELU_MASK:  # a ReLU mask decodes to bool, not t
-            self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)
+        if tensor.grad_fn is not None and encoding.kind not in (Kind.RELU_MASK, Kind.REGION_MASK):
+            self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)  # decodes to the tensor
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
-        else:  # derivative codes are GELU's only; log-probabilities are -inf where a probability codes to 0
+        elif encoding.kind is not Kind.REGION_MASK:  # a region record is its op's alone, as a ReLU mask  # derivative codes are GELU's only; log-probabilities are -inf where a probability codes to 0
             saved.readers = self.codecs.readers(encoding.codec, data, spec)
             self._shared.put(tensor, saved)
         if codes:
