@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+import types
 from functools import cached_property
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS", "ATTENTION_FUNCTIONS", "WEIGHT_FUNCTIONS"]
+__all__ = ["OpCall", "OpTracker", "RELU_FUNCTIONS", "ATTENTION_FUNCTIONS", "WEIGHT_FUNCTIONS", "CONTAINER_FUNCTIONS"]
 
 
 def _relu_functions() -> frozenset:
@@ -55,6 +56,29 @@ def _weight_functions() -> frozenset:
 
 
 WEIGHT_FUNCTIONS = _weight_functions()
+
+
+def _container_functions() -> frozenset:
+    """Python functions that are a sequence of torch calls rather than one op, traced call by call:
+    ``nn.MultiheadAttention``'s forward runs its projections and fused attention inside one, and behind
+    it the exponent guard never saw q and k (4-bit codes; ``nn.TransformerEncoder`` with large channels:
+    gradient cosine 0.01)."""
+    import torch.nn.functional as F
+    return frozenset({F.multi_head_attention_forward})
+
+
+CONTAINER_FUNCTIONS = _container_functions()
+
+
+def body_of(func: Callable) -> Callable:
+    """A copy of the Python function ``func`` whose own check for torch-function handlers
+    (``has_torch_function``, its first statement) answers no, so that called under a mode it runs its body
+    instead of handing itself to the mode again; the calls in the body still reach the mode."""
+    namespace = dict(func.__globals__)
+    namespace["has_torch_function"] = lambda *args: False
+    body = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
+    body.__kwdefaults__ = func.__kwdefaults__
+    return body
 
 
 def tensors_in(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -178,6 +202,7 @@ class OpTracker(TorchFunctionMode):
         self._frame: tuple | None = None
         self._call: OpCall | None = None
         self._on_done = on_done
+        self._bodies: dict[Callable, Callable] = {}  # CONTAINER_FUNCTIONS' bodies, made on first call
 
     @property
     def current(self) -> OpCall | None:
@@ -188,6 +213,10 @@ class OpTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in CONTAINER_FUNCTIONS and self._frame is None:
+            body = self._bodies.get(func) or self._bodies.setdefault(func, body_of(func))
+            with self:  # a mode is off inside its own handler: on again for the body's calls
+                return body(*args, **kwargs)
         outer = (self._frame, self._call)
         self._frame, self._call = (func, args, kwargs), None
         try:
