@@ -155,3 +155,48 @@ class _Call:
 
     def fused_attention_role(self, tensor: torch.Tensor) -> None:
         return None
+
+
+class _NormCall(_Call):
+    """A batch norm call with its weight, as ``F.batch_norm`` is called (weight the fourth argument)."""
+
+    def __init__(self, weight: torch.Tensor, keyword: bool = False) -> None:
+        super().__init__("batch_norm")
+        self.args = (None, None, None) if keyword else (None, None, None, weight)
+        self.kwargs = {"weight": weight} if keyword else {}
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_a_batch_norm_input_gets_bits_when_the_norms_weight_has_large_channels(keyword):
+    x = _tensor_made_by("ConvolutionBackward0", 4)
+    plain, large = torch.ones(32), torch.ones(32)
+    large[:2] = 60.0  # as trained networks and benchmarks/default_safety.py's large channels have them
+    assert AutoPolicy.rule(x, _NormCall(plain, keyword)) == "feature_map_bits"
+    assert AutoPolicy.rule(x, _NormCall(large, keyword)) == "bits"
+    assert AutoPolicy(AUTO).reason(x, _NormCall(large, keyword)) == "auto: batch norm input, its weight has large channels"
+    nearly = torch.ones(32)
+    nearly[:2] = 7.9  # under daf.policy.auto.LARGE_WEIGHT
+    assert AutoPolicy.rule(x, _NormCall(nearly, keyword)) == "feature_map_bits"
+
+
+def test_wrap_alone_widens_the_inputs_of_norms_with_large_weights_and_the_gradient_recovers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+                          nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    with torch.no_grad():
+        for norm in (model[1], model[4], model[7]):
+            norm.weight[:2] *= 60
+    x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+
+    def gradient(m):
+        m.zero_grad(set_to_none=True)
+        F.cross_entropy(m(x), y).backward()
+        return torch.cat([p.grad.flatten() for p in m.parameters()])
+
+    expected = gradient(model)
+    wrapped = daf.wrap(copy.deepcopy(model), audit=daf.Audit(every=0))
+    got = gradient(wrapped)
+    rows = {row.site: row for row in daf.report(wrapped).rows}
+    assert [rows[f"{i}#0"].bits for i in (1, 4, 7)] == [AUTO.bits] * 3  # the norms' inputs
+    assert F.cosine_similarity(got, expected, 0) > 0.997  # 0.993 with the inputs at 2 bits
