@@ -29,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from default_safety import _parse_config, measure  # noqa: E402
-from transformer_archs import Arch  # noqa: E402
+from transformer_archs import Arch, _text  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, FFN, VOCAB = 128, 2, 4, 512, 500
 
@@ -42,14 +42,7 @@ def _seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
 
 def _ids(batch: int, seq: int, labels: str) -> Callable[[torch.Generator], dict]:
-    def make(g: torch.Generator) -> dict:
-        ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
-        if labels == "lm":
-            return {"input_ids": ids, "labels": ids}
-        if labels == "seq2seq":
-            return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch, seq // 2), generator=g)}
-        return {"input_ids": ids, "labels": torch.randint(0, 3, (batch,), generator=g)}
-    return make
+    return _text(batch, seq, labels, VOCAB)
 
 
 def _pixels(batch: int, size: int, key: str = "labels", classes: int = 10, dense: bool = False) -> Callable:

@@ -72,13 +72,13 @@ def pretrained(name: str, batch: int) -> Arch:
     return Arch(name, lambda: model, lambda g: first, lambda m: nn.Identity(), workload.loss)
 
 
-def _text(batch: int, seq: int, labels: str) -> Callable[[torch.Generator], dict]:
+def _text(batch: int, seq: int, labels: str, vocab: int = VOCAB) -> Callable[[torch.Generator], dict]:
     def make(g: torch.Generator) -> dict:
-        ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
         if labels == "lm":
             return {"input_ids": ids, "labels": ids}
         if labels == "seq2seq":
-            return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (batch, seq // 2), generator=g)}
+            return {"input_ids": ids, "labels": torch.randint(0, vocab, (batch, seq // 2), generator=g)}
         return {"input_ids": ids, "labels": torch.randint(0, 3, (batch,), generator=g)}
     return make
 
