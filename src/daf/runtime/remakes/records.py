@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from daf.runtime.remakes.blocks import NormCalls
-    from daf.runtime.remakes.heads import LinearCalls
 
 __all__ = ["Records", "ABSENT"]
 
@@ -17,8 +13,9 @@ ABSENT = object()  # record_behind: the node saved None there (an optional tenso
 
 class Records(Protocol):
     min_numel: int
-    linears: "LinearCalls"  # linear calls of this forward, by their output's node
-    norms: "NormCalls"  # batch and group norm calls of this forward, by their output's node
+    # Typed Any, not by name: the rules' modules import this one (remakes.heads.LinearCalls, blocks.NormCalls)
+    linears: Any  # LinearCalls: linear calls of this forward, by their output's node
+    norms: Any  # NormCalls: batch and group norm calls of this forward, by their output's node
 
     def record_of(self, node: Any, output_nr: int) -> Any:
         """The record stored in this forward of output ``output_nr`` of ``node``, if it decodes to that
