@@ -173,7 +173,8 @@ def test_a_batch_norm_input_gets_bits_when_the_norms_weight_has_large_channels(k
     large[:2] = 60.0  # as trained networks and benchmarks/default_safety.py's large channels have them
     assert AutoPolicy.rule(x, _NormCall(plain, keyword)) == "feature_map_bits"
     assert AutoPolicy.rule(x, _NormCall(large, keyword)) == "bits"
-    assert AutoPolicy(AUTO).reason(x, _NormCall(large, keyword)) == "auto: batch norm input, its weight has large channels"
+    reason = AutoPolicy(AUTO).reason(x, _NormCall(large, keyword))
+    assert reason == "auto: batch norm input, its weight has large channels"
     nearly = torch.ones(32)
     nearly[:2] = 7.9  # under daf.policy.auto.LARGE_WEIGHT
     assert AutoPolicy.rule(x, _NormCall(nearly, keyword)) == "feature_map_bits"
@@ -182,8 +183,9 @@ def test_a_batch_norm_input_gets_bits_when_the_norms_weight_has_large_channels(k
 def test_wrap_alone_widens_the_inputs_of_norms_with_large_weights_and_the_gradient_recovers():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                          nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
-                          nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+                          nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
     with torch.no_grad():
         for norm in (model[1], model[4], model[7]):
             norm.weight[:2] *= 60

@@ -48,8 +48,8 @@ import torch
 from daf.codec.mask import MASK_DTYPES, two_values
 from daf.codec.nonzeros import nonzeros_of
 from daf.format import FLOAT_DTYPES
-from daf.tracing import (OpCall, cast_of_parameter, frozen_parameter_of_cast, parameter_of_cast, region_of,
-                         stored_as_probabilities)
+from daf.tracing import (REGION_RULES, OpCall, cast_of_parameter, frozen_parameter_of_cast, parameter_of_cast,
+                         region_of, stored_as_probabilities)
 
 __all__ = ["Kind", "Encoding", "Context", "Remake", "route", "derives"]
 
@@ -146,7 +146,10 @@ def route(tensor: torch.Tensor, context: Context) -> Encoding:
         return RAW
     if context.masks and context.op is not None and context.op.is_relu and is_relu_result(tensor):
         return RELU_MASK
-    region = region_of(tensor, context.op) if context.masks and compressible(tensor, context.min_numel) else None
+    region = None
+    if context.masks and context.op is not None and context.op.func in REGION_RULES \
+            and compressible(tensor, context.min_numel):  # the op first: compressible reads float64 saves whole
+        region = region_of(tensor, context.op)
     if region is not None:
         return Encoding(Kind.REGION_MASK, 1, "mask", region[1], data=region[0])
     if not compressible(tensor, context.min_numel, context.input_made_here):

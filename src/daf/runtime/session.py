@@ -307,7 +307,8 @@ class Session:
             self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)  # decodes to the tensor
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
-        elif encoding.kind is not Kind.REGION_MASK:  # a region record is its op's alone, as a ReLU mask  # derivative codes are GELU's only; log-probabilities are -inf where a probability codes to 0
+        elif encoding.kind is not Kind.REGION_MASK:  # a region record is its op's alone, as a ReLU mask
+            # derivative codes are GELU's only; log-probabilities are -inf where a probability codes to 0
             saved.readers = self.codecs.readers(encoding.codec, data, spec)
             self._shared.put(tensor, saved)
         if codes:
