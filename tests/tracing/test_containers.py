@@ -62,3 +62,12 @@ def test_a_container_called_inside_another_op_is_left_whole():
     got = torch.autograd.grad(attention(x, x, x)[0].sum(), list(attention.parameters()))
     flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
     assert F.cosine_similarity(flat(got), flat(expected), 0) > 0.999
+
+
+def test_a_function_without_the_check_by_that_name_is_its_own_body():
+    from daf.tracing.ops import body_of
+
+    def plain(x):
+        return x + 1
+
+    assert body_of(plain) is plain

@@ -73,7 +73,10 @@ CONTAINER_FUNCTIONS = _container_functions()
 def body_of(func: Callable) -> Callable:
     """A copy of the Python function ``func`` whose own check for torch-function handlers
     (``has_torch_function``, its first statement) answers no, so that called under a mode it runs its body
-    instead of handing itself to the mode again; the calls in the body still reach the mode."""
+    instead of handing itself to the mode again; the calls in the body still reach the mode. ``func`` itself
+    where it has no such check by that name (it is then traced as one op)."""
+    if "has_torch_function" not in func.__code__.co_names:  # another torch's check: traced whole, as before
+        return func
     namespace = dict(func.__globals__)
     namespace["has_torch_function"] = lambda *args: False
     body = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
@@ -213,8 +216,9 @@ class OpTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in CONTAINER_FUNCTIONS and self._frame is None:
-            body = self._bodies.get(func) or self._bodies.setdefault(func, body_of(func))
+        body = self._bodies.get(func) or self._bodies.setdefault(func, body_of(func)) \
+            if func in CONTAINER_FUNCTIONS and self._frame is None else func
+        if body is not func:
             with self:  # a mode is off inside its own handler: on again for the body's calls
                 return body(*args, **kwargs)
         outer = (self._frame, self._call)
