@@ -19,11 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import daf
 from daf.runtime.remakes import DEFAULT_RULES, Remakes
 from daf.workloads.resnet import ResNet18
+from resnet_step import sgd_step  # the sibling script: python puts benchmarks/ on the path
 
 VARIANTS = ("fp32", "rule off", "default", "norm inputs 4")
 
@@ -35,15 +35,7 @@ def make_step(variant: str, batch: int) -> tuple[Callable[[], None], torch.nn.Mo
         daf.wrap(model, **({"floors": {"batch_norm": 4}} if variant == "norm inputs 4" else {}))
         if variant == "rule off":
             daf.session_of(model).remakes = Remakes([r for r in DEFAULT_RULES if r.name != "norm_block"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-
-    return step, model
+    return sgd_step(model, batch), model
 
 
 def main() -> None:

@@ -30,6 +30,11 @@ def make_step(variant: str, bits: int, batch: int) -> Callable[[], None]:
     if variant != "fp32":
         backend, _, mode = variant.partition("+")
         daf.wrap(model, bits=bits, backend=backend, background=(mode == "background"))
+    return sgd_step(model, batch)
+
+
+def sgd_step(model: torch.nn.Module, batch: int) -> Callable[[], None]:
+    """One SGD step of ``model`` on a fixed random CIFAR-sized batch (``torch.manual_seed`` set by the caller)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
 
