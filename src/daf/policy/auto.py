@@ -97,28 +97,35 @@ class AutoPolicy(Policy):
     @staticmethod
     def rule(x: torch.Tensor, op: OpCall | None) -> str:
         """The name of the ``Auto`` field that gives ``x`` its width."""
-        node = type(x.grad_fn).__name__ if x.grad_fn is not None else None
-        if node in SENSITIVE_NODES or (op is not None and op.fused_attention_role(x) == "values"):
-            return "sensitive_bits"
-        if (op is not None and op.name in FEATURE_MAP_FUNCTIONS and x.dim() >= 3 and made_as_feature_map(x)
-                and not _group_norm_input(x, op) and not _norm_with_large_weight(x, op)):
-            return "feature_map_bits"
-        return "bits"
+        return _choice(x, op)[0]
 
     def reason(self, x: torch.Tensor, op: OpCall | None) -> str:
-        rule = self.rule(x, op)
-        if _group_norm_input(x, op):
-            return _GROUP_NORM_REASON
-        if _norm_with_large_weight(x, op) and made_as_feature_map(x):
-            return _LARGE_WEIGHT_REASON
-        if rule == "bits" and op is not None and op.name in FEATURE_MAP_FUNCTIONS and x.dim() >= 3:
-            return _REASONS["feature_map_after_norm"]
-        return _REASONS[rule]
+        return _choice(x, op)[1]
 
     def summary(self) -> dict[str, Any]:
         c = self.config
         return {"policy": "auto", "bits": c.bits, "feature_map_bits": c.feature_map_bits,
                 "sensitive_bits": c.sensitive_bits}
+
+
+def _choice(x: torch.Tensor, op: OpCall | None) -> tuple[str, str]:
+    """(the ``Auto`` field that gives ``x`` its width, the report's reason), each rule's check made once."""
+    group_norm, large_weight = _group_norm_input(x, op), _norm_with_large_weight(x, op)
+    feature_map = op is not None and op.name in FEATURE_MAP_FUNCTIONS and x.dim() >= 3
+    node = type(x.grad_fn).__name__ if x.grad_fn is not None else None
+    if node in SENSITIVE_NODES or (op is not None and op.fused_attention_role(x) == "values"):
+        field = "sensitive_bits"
+    elif feature_map and made_as_feature_map(x) and not group_norm and not large_weight:
+        field = "feature_map_bits"
+    else:
+        field = "bits"
+    if group_norm:
+        return field, _GROUP_NORM_REASON
+    if large_weight and made_as_feature_map(x):
+        return field, _LARGE_WEIGHT_REASON
+    if field == "bits" and feature_map:
+        return field, _REASONS["feature_map_after_norm"]
+    return field, _REASONS[field]
 
 
 def made_as_feature_map(x: torch.Tensor) -> bool:

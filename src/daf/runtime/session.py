@@ -27,8 +27,6 @@ from daf.runtime.layout import reads_any_layout, restores_channels_last, restore
 from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version
 from daf.runtime.remakes import ABSENT, LinearCalls, NormCalls, Remakes
 from daf.runtime.route import Context, Encoding, Kind, route
-
-EXACT = (Kind.MASK, Kind.RELU_MASK, Kind.REGION_MASK)  # records that decode to what the op reads, bit for bit
 from daf.runtime.snapshots import MaskCopies
 from daf.tracing import (ATTENTION_FUNCTIONS, OpCall, OpTracker, SiteTracker, TensorTable, is_parameter, made_in_call,
                          masked_product_of, nodes_made_by, parameter_storages, tensors_in)
@@ -37,6 +35,7 @@ from daf.tracing.threads import PerThreadStack
 __all__ = ["Session"]
 
 _MASK32 = 0xFFFFFFFF
+EXACT = (Kind.MASK, Kind.RELU_MASK, Kind.REGION_MASK)  # records that decode to what the op reads, bit for bit
 
 
 class Session:

@@ -15,8 +15,8 @@ in forward while the mode is on.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 import types
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -216,11 +216,12 @@ class OpTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        body = self._bodies.get(func) or self._bodies.setdefault(func, body_of(func)) \
-            if func in CONTAINER_FUNCTIONS and self._frame is None else func
-        if body is not func:
-            with self:  # a mode is off inside its own handler: on again for the body's calls
-                return body(*args, **kwargs)
+        if func in CONTAINER_FUNCTIONS and self._frame is None:
+            if func not in self._bodies:
+                self._bodies[func] = body_of(func)
+            if self._bodies[func] is not func:
+                with self:  # a mode is off inside its own handler: on again for the body's calls
+                    return self._bodies[func](*args, **kwargs)
         outer = (self._frame, self._call)
         self._frame, self._call = (func, args, kwargs), None
         try:

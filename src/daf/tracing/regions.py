@@ -64,9 +64,13 @@ def _hardtanh_bounds(args: tuple, kwargs: dict) -> tuple[float, float] | None:
     return None if low is None or high is None else (low, high)
 
 
+def _open_interval(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    return ~((x <= low) | (x >= high))  # hardtanh_backward's test, negated: NaN inside, as in ATen
+
+
 def _hardtanh_inside(x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
     bounds = _hardtanh_bounds(args, kwargs)
-    return None if bounds is None else ~((x <= bounds[0]) | (x >= bounds[1]))  # NaN: inside, as in ATen
+    return None if bounds is None else _open_interval(x, *bounds)
 
 
 def _hardtanh_values(args: tuple, kwargs: dict) -> tuple[float, float] | None:
@@ -75,7 +79,7 @@ def _hardtanh_values(args: tuple, kwargs: dict) -> tuple[float, float] | None:
 
 
 def _relu6_inside(x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-    return ~((x <= 0.0) | (x >= 6.0))
+    return _open_interval(x, 0.0, 6.0)
 
 
 def _leaky_inside(x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor | None:
