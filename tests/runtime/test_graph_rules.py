@@ -51,6 +51,12 @@ CASES = [  # (save, producer, readers, form, bits, why contains)
     (torch.empty(64, 64, dtype=torch.int64), "aten.max_pool2d_with_indices.default", _readers(), "raw", None, "integer"),
     (torch.empty(16), "aten.convolution.default", _readers(), "raw", None, "min_numel"),
     (ROWS, None, None, "codes", 4, "linear"),  # eagerly: nobody says who reads it
+    # ReLU6's backward compares the save with 0 and 6: codes would move elements across them
+    (FEATURE_MAP, "aten.native_batch_norm.default", _readers(Node("aten.hardtanh_backward.default")),
+     "raw", None, "against its bounds"),
+    (FEATURE_MAP, "aten.convolution.default", _readers(Node("aten.leaky_relu_backward.default"),
+                                                       Node("aten.convolution_backward.default")),
+     "raw", None, "against its bounds"),
 ]
 
 

@@ -62,6 +62,11 @@ _ELEMENTWISE = frozenset({"aten.div.Tensor", "aten.mul.Tensor", "aten.where.self
 _FUSED_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _FUSED_RAW = {"query": "fused attention's q", "key": "fused attention's k", "logsumexp": "fused attention's logsumexp"}
 _FUSED_SENSITIVE = frozenset({"value", "out", "output"})
+# Backward ops that read a save only against their bounds (hardtanh/ReLU6, leaky ReLU, hardsigmoid): eager DAF
+# stores the region's exact bit (``daf.tracing.regions``); a graph keeps such a save raw, since codes move
+# elements across the bounds (MobileNetV2: gradient cosine 0.06 at 2 bits, 0.94 at 8).
+_REGION_READERS = frozenset(f"aten.{name}.default" for name in (
+    "hardtanh_backward", "leaky_relu_backward", "hardsigmoid_backward"))
 # Readers that read nothing but x > 0: ReLU's backward whole (aot_eager), or its mask recomputed from the
 # save (inductor's partitioner: ``le(x, 0)``), whose decoded value must not round across 0.
 _SIGN_ONLY = {"aten.threshold_backward.default": 2, "aten.le.Scalar": 1, "aten.gt.Scalar": 1}
@@ -127,6 +132,9 @@ def decide(x: torch.Tensor, producer: str | None, readers: Readers | None, width
     if fused in _FUSED_RAW:
         return Decision("raw", None, f"in graph, raw: {_FUSED_RAW[fused]} (its safe width needs the logits' "
                                      "magnitude, which a trace does not see)")
+    if any(str(node.target) in _REGION_READERS for node in nodes):
+        return Decision("raw", None, "in graph, raw: read against its bounds by hardtanh's, leaky ReLU's or "
+                                     "hardsigmoid's backward (eager DAF stores the region's bit; graphs do not yet)")
     rule = "sensitive_bits" if fused is not None else _rule(x, producer, nodes)
     bits = getattr(widths, rule)
     why = _WHY[rule] + (f" ({widths.fallback})" if widths.fallback else "")
