@@ -154,3 +154,21 @@ def test_without_kernels_auto_takes_the_reference_and_native_raises(monkeypatch)
     assert chosen.name == "reference" and "no compiler here" in chosen.reason
     with pytest.raises(RuntimeError, match="no compiler here"):
         select_backend("native")
+
+
+@pytest.mark.parametrize("chosen", [False, True])
+def test_the_cache_checked_is_the_folder_torch_builds_in(monkeypatch, tmp_path, chosen):
+    """A cached build is found where torch puts it (with TORCH_EXTENSIONS_DIR, and in torch's default root's
+    per-interpreter folder), so a process that only reloads it does not say it is building."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path / "default"))
+    if chosen:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "chosen"))
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    folder = Path(cpp_extension._get_build_directory("daf_kernels_probe", False))
+    assert folder.parent == build.extension_root()
+    assert build._will_compile("daf_kernels_probe")
+    (folder / "daf_kernels_probe.so").write_bytes(b"")
+    assert not build._will_compile("daf_kernels_probe")

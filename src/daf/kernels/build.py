@@ -166,9 +166,23 @@ def _build_here(isa: str, why_not: str) -> ModuleType:
 def _will_compile(name: str) -> bool:
     """Whether torch's extension cache lacks ``name``'s library (the name holds the build key: one there
     was built from these sources and flags)."""
+    return not (extension_root() / name / f"{name}.so").exists()
+
+
+def extension_root() -> Path:
+    """The folder where ``cpp_extension.load`` builds and caches extensions: ``TORCH_EXTENSIONS_DIR``, else
+    torch's default root with its per-interpreter folder (``py311_cpu``), as torch itself names it; the default
+    root alone was checked before, so every process said it was building when it only reloaded."""
     from torch.utils import cpp_extension
 
-    return not (Path(cpp_extension.get_default_build_root()) / name / f"{name}.so").exists()
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if chosen is not None:
+        return Path(chosen)
+    version = torch.version
+    accelerator = (f"rocm{version.hip.replace('.', '')}" if version.hip is not None
+                   else f"cu{version.cuda.replace('.', '')}" if version.cuda is not None else "cpu")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(cpp_extension.get_default_build_root()) / f"{python}_{accelerator}"
 
 
 def failure_cause(error: BaseException) -> str:
