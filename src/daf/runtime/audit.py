@@ -8,8 +8,12 @@ own with the main session's policy and raised widths (compressed, its sites name
 Buffers (batch norm statistics) and the random state are put back after each pass, and ``.grad`` is never
 touched (``torch.autograd.grad``). Below ``Audit.threshold`` (cosine over all parameters) the saves whose codes
 erred most get the next width (1 -> 2 -> 4 -> 8 -> raw) in the main session (``Session.raise_bits``), and
-the slice is audited again, at most ``MAX_ROUNDS`` times. Cost: two to five forward and backward passes of
-the slice per audit (docs/audit.md).
+the slice is audited again, at most ``MAX_ROUNDS`` times. Still below then, every stored save gets its next
+width, round after round, until the threshold holds or nothing is coded any more: a model whose gradient
+the codes cannot keep is trained raw, said in the warning, rather than silently wrong (a Mamba with large
+channels: one save kind, the recurrent state that ``dA``'s gradient multiplies, spoilt it at 4 bits while
+its codes erred no more than the others'). Cost: two to five forward and backward passes of the slice per
+audit, up to four more where the targeted raises fail (docs/audit.md).
 
 DAF does not know the user's loss: the random cotangent on the model's output stands in for it.
 """
@@ -37,7 +41,7 @@ from daf.runtime.session import Session
 
 __all__ = ["GradientAudit", "AuditResult", "MAX_ROUNDS", "WIDER"]
 
-MAX_ROUNDS = 3  # raises per audit: 1 -> 8 bits takes three
+MAX_ROUNDS = 3  # targeted raises per audit: 1 -> 8 bits takes three
 WIDER = {1: 2, 2: 4, 4: 8, 8: 0}  # the next width of a raised save; 0: kept raw
 _COTANGENT_SEED = 0x5EED
 _WORST = 3  # parameter groups the report names
@@ -48,7 +52,7 @@ _TINY_GROUP = 1e-6  # groups with less of the exact gradient's squared norm are 
 class AuditResult:
     """One audit: the forward it ran before, the samples audited, the cosine of the first and the last
     round (None: the exact gradient was zero), the worst parameter groups (module paths) of the last
-    round, and the widths raised as (site, from, to)."""
+    round, the widths raised as (site, from, to), and whether every stored save had to be raised."""
 
     forward: int
     samples: int
@@ -56,6 +60,7 @@ class AuditResult:
     after: float | None
     worst: list[tuple[str, float]] = field(default_factory=list)
     raised: list[tuple[str, int, int]] = field(default_factory=list)
+    broad: bool = False  # the targeted raises did not reach the threshold: every stored save was raised
 
 
 class GradientAudit:
@@ -123,21 +128,25 @@ class GradientAudit:
 
     def _rounds(self, model: nn.Module, args: tuple, kwargs: dict[str, Any], params: list, state: "_Restoring",
                 exact: list, samples: int) -> AuditResult:
-        """Compressed passes until the cosine reaches the threshold or ``MAX_ROUNDS`` raises were made."""
+        """Compressed passes until the cosine reaches the threshold: ``MAX_ROUNDS`` raises of the costliest
+        saves, then raises of every stored save until none is coded (four at most: 1 -> 2 -> 4 -> 8 -> raw)."""
         names = [name for name, _ in params]
         result = AuditResult(self.session.forwards, samples, None, None)
-        for round_ in range(MAX_ROUNDS + 1):
+        round_ = 0
+        while True:
             errors: dict[str, tuple[int, float]] = {}
             compressed = self._gradient(model, args, kwargs, params, state, errors)
             cosine, result.worst = _compare(names, exact, compressed)
             result.after = cosine
             if round_ == 0:
                 result.before = cosine
-            if cosine is None or cosine >= self.config.threshold or round_ == MAX_ROUNDS:
+            if cosine is None or cosine >= self.config.threshold:
                 break
-            chosen = _costliest(errors)
-            if not chosen:
+            chosen = _costliest(errors) if round_ < MAX_ROUNDS else [(site, bits) for site, (bits, _) in errors.items()]
+            if not chosen or round_ == MAX_ROUNDS + len(WIDER):  # the cap: a width the raises do not reach
                 break
+            round_ += 1
+            result.broad = result.broad or round_ > MAX_ROUNDS
             for site, bits in chosen:
                 self.session.raise_bits(site, WIDER[bits])
                 result.raised.append((site, bits, WIDER[bits]))
@@ -355,8 +364,16 @@ def _caller_level() -> int:
     return level
 
 
+_NAMED = 8  # raises the warning names; the report has them all
+
+
 def _raised_warning(result: AuditResult, threshold: float) -> str:
-    raised = ", ".join(f"{site} {old}->{new or 'raw'}" for site, old, new in result.raised)
+    named = [f"{site} {old}->{new or 'raw'}" for site, old, new in result.raised[:_NAMED]]
+    more = len(result.raised) - len(named)
+    raised = ", ".join(named) + (f" and {more} more" if more else "")
+    if result.broad:
+        raised += (" (raising the saves whose codes erred most did not reach the threshold, so every stored save "
+                   "was raised, as far as raw where that was needed)")
     after = "unknown" if result.after is None else f"{result.after:.4f}"
     still = "" if result.after is not None and result.after >= threshold else " (still below: more may follow)"
     return (f"DAF's gradient audit (forward {result.forward}, {result.samples} samples): the compressed gradient's "
