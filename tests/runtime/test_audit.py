@@ -290,3 +290,22 @@ def test_when_raising_the_costliest_saves_fails_every_save_is_raised_until_the_g
     trap = [row for row in daf.report(audited).rows if row.source == "MulBackward0" and row.shape == (256, 16)]
     assert trap and all(row.kind == "raw" for row in trap), trap
     assert " and " in str(caught[0].message) and "more" in str(caught[0].message)  # the list is cut
+
+
+def test_the_slice_codes_the_saves_the_step_codes_though_each_is_below_min_numel_in_the_slice():
+    # One sample's Tanh output (256 elements) is under min_numel (4096), the batch's (16384) is not: the slice
+    # must code it as the step does, or it never sees the planted fault (a MobileNetV2: slice 0.997, step 0.82).
+    base, (x, y) = _mlp(), _batch()
+    exact = _gradient(base, x, y)
+    audited = daf.wrap(copy.deepcopy(base), daf.Config(policy=Planted("1#0"), audit=daf.Audit(fraction=1 / 64)))
+    with pytest.warns(UserWarning, match=r"raised the widths of 1#0 1->2"):
+        gradient = _gradient(audited, x, y)
+    assert daf.report(audited).sections["audit"]["samples"] == 1
+    assert F.cosine_similarity(gradient, exact, 0) > 0.9
+
+
+@pytest.mark.parametrize("min_numel, samples, batch, expected", [(4096, 1, 64, 64), (4096, 8, 64, 512), (0, 1, 8, 0),
+                                                                 (1, 1, 64, 1), (4096, 64, 64, 4096)])
+def test_min_numel_is_scaled_to_the_slice(min_numel, samples, batch, expected):
+    from daf.runtime.audit import _slice_min_numel
+    assert _slice_min_numel(min_numel, samples, batch) == expected
