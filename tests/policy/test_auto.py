@@ -10,12 +10,13 @@ from torch import nn
 
 import daf
 from daf.policy.auto import AutoPolicy
+from daf.policy import auto
 
 AUTO = daf.Auto()
 
 
 def _widths(model: nn.Module, x: torch.Tensor, **config) -> dict[str, int | None]:
-    daf.wrap(model, **config)
+    daf.wrap(model, **{"audit": daf.Audit(every=0), **config})  # the policy's widths, not the audit's raises
     model(x).float().square().mean().backward()
     rows = {row.site: row.bits for row in daf.report(model).rows if row.kind == "compressed"}
     daf.unwrap(model)
@@ -202,3 +203,19 @@ def test_wrap_alone_widens_the_inputs_of_norms_with_large_weights_and_the_gradie
     rows = {row.site: row for row in daf.report(wrapped).rows}
     assert [rows[f"{i}#0"].bits for i in (1, 4, 7)] == [AUTO.bits] * 3  # the norms' inputs
     assert F.cosine_similarity(got, expected, 0) > 0.997  # 0.993 with the inputs at 2 bits
+
+
+@pytest.mark.parametrize("made_by, call", [("ConvolutionBackward0", "conv2d"), ("AddBackward0", "conv2d"),
+                                           ("TanhBackward0", "linear"), ("NativeLayerNormBackward0", "linear")])
+@pytest.mark.parametrize("large", [False, True])
+def test_choice_is_the_width_and_the_reason_from_one_look_at_the_call(monkeypatch, made_by, call, large):
+    policy, x = AutoPolicy(AUTO), _tensor_made_by(made_by, 4)
+    weight = torch.ones(32)
+    weight[:2] = 60.0 if large else 1.0
+    calls = [_NormCall(weight), _Call(call)]
+    expected = [(policy.bits_for_call("s", x, c), policy.reason(x, c)) for c in calls]
+    looks = []
+    real = auto._norm_with_large_weight
+    monkeypatch.setattr(auto, "_norm_with_large_weight", lambda *a: looks.append(1) or real(*a))
+    assert [policy.choice("s", x, c) for c in calls] == expected
+    assert len(looks) == len(calls)  # one batch norm weight check per save (it syncs a CUDA device)

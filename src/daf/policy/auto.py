@@ -102,6 +102,10 @@ class AutoPolicy(Policy):
     def reason(self, x: torch.Tensor, op: OpCall | None) -> str:
         return _choice(x, op)[1]
 
+    def choice(self, site: str, x: torch.Tensor, op: OpCall | None) -> tuple[int, str]:
+        field, why = _choice(x, op)  # once per save: the batch norm weight check syncs a CUDA device
+        return getattr(self.config, field), why
+
     def summary(self) -> dict[str, Any]:
         c = self.config
         return {"policy": "auto", "bits": c.bits, "feature_map_bits": c.feature_map_bits,

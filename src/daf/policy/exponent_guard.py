@@ -97,8 +97,7 @@ def guarded_bits(policy: Policy, site: str, x: torch.Tensor, op: OpCall | None =
 def guarded_choice(policy: Policy, site: str, x: torch.Tensor, op: OpCall | None = None,
                    rounding: str = "stochastic", group_size: int = 256) -> tuple[int, str]:
     """``guarded_bits`` and why: the rule that set the width (the policy's reason, or a guard's)."""
-    bits = policy.bits_for_call(site, x, op)
-    reason = policy.reason(x, op)
+    bits, reason = policy.choice(site, x, op)
     if not bits:
         return bits, reason
     floor, rule = floor_rule(x, op, rounding, group_size)

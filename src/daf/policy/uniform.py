@@ -29,6 +29,11 @@ class Policy:
         """Why ``bits_for_call`` gives ``x`` its width, for the report: the policy's name by default."""
         return str(self.summary().get("policy", type(self).__name__))
 
+    def choice(self, site: str, x: torch.Tensor, op: Any) -> tuple[int, str]:
+        """``(bits_for_call, reason)``: what the runtime asks once per save. A policy whose two answers share
+        their checks overrides it to make them once."""
+        return self.bits_for_call(site, x, op), self.reason(x, op)
+
     def importance(self, site: str, order: int) -> float:
         """Larger is more important. Stand-in: the pack order, so the activations that
         backward needs last (saved first) are the first candidates for demotion and spill."""

@@ -219,6 +219,9 @@ class _Reader(Policy):
     def reason(self, x: torch.Tensor, op: Any) -> str:
         return self._policy.reason(x, op)
 
+    def choice(self, site: str, x: torch.Tensor, op: Any) -> tuple[int, str]:
+        return self._policy.choice(site, x, op)
+
 
 class _Measured(Session):
     """A session for one compressed pass of the audit: the main session's policy (read only) and raised widths
