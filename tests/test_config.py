@@ -289,6 +289,7 @@ def test_floors_are_sorted_pairs_a_dict_in_json_and_named_floors_only():
     ({"fraction": 1.5}, "Audit.fraction must be a number in [0, 1], got 1.5"),
     ({"threshold": 2}, "Audit.threshold must be a number in [0, 1], got 2"),
     ({"first": 1}, "Audit.first must be True or False, got 1"),
+    ({"min_samples": 0}, "Audit.min_samples must be an integer >= 1, got 0"),
     ({"evry": 3}, "unknown Audit field(s) 'evry' (did you mean 'every'?)"),
 ])
 def test_audit_values_are_checked_and_the_error_names_the_field(kwargs, says):
@@ -301,7 +302,8 @@ def test_config_audit_takes_an_audit_and_old_dicts_without_it_get_the_default():
     with pytest.raises(ValueError, match=r"Config.audit must be a daf.Audit\(...\)"):
         Config(audit=50)
     assert Config().audit == Audit() and Config().to_dict()["audit"] == {"every": 50, "fraction": 0.125,
-                                                                          "threshold": Audit().threshold, "first": True}
+                                                                          "threshold": Audit().threshold, "first": True,
+                                                                          "min_samples": 4}
     data = Config(bits=4).to_dict()
     del data["audit"]
     assert Config.from_dict(data) == Config(bits=4)

@@ -135,12 +135,13 @@ def test_every_and_first_say_which_forwards_are_audited(first, audited):
     assert daf.report(model).sections["audit"]["audits"] == len(audited)  # eval and no_grad are not counted
 
 
-@pytest.mark.parametrize("fraction, samples", [(0.25, 4), (0.01, 1), (1.0, 16)])
-def test_fraction_of_the_batch_is_audited_at_least_one_sample(fraction, samples):
-    model = daf.wrap(_mlp(), min_numel=1, audit=daf.Audit(fraction=fraction, threshold=0.0))
+@pytest.mark.parametrize("fraction, least, batch, samples", [(0.25, 4, 16, 4), (0.01, 1, 16, 1), (1.0, 4, 16, 16),
+                                                            (0.01, 4, 16, 4), (0.125, 4, 64, 8), (0.5, 4, 3, 3)])
+def test_fraction_of_the_batch_is_audited_at_least_min_samples(fraction, least, batch, samples):
+    model = daf.wrap(_mlp(), min_numel=1, audit=daf.Audit(fraction=fraction, min_samples=least, threshold=0.0))
     sizes = _counted(model)
-    _gradient(model, *_batch(16))
-    assert sizes == [samples, samples, 16]  # exact pass, compressed pass, the step itself
+    _gradient(model, *_batch(batch))
+    assert sizes == [samples, samples, batch]  # exact pass, compressed pass, the step itself
     assert daf.report(model).sections["audit"]["samples"] == samples
 
 
@@ -297,7 +298,7 @@ def test_the_slice_codes_the_saves_the_step_codes_though_each_is_below_min_numel
     # must code it as the step does, or it never sees the planted fault (a MobileNetV2: slice 0.997, step 0.82).
     base, (x, y) = _mlp(), _batch()
     exact = _gradient(base, x, y)
-    audited = daf.wrap(copy.deepcopy(base), daf.Config(policy=Planted("1#0"), audit=daf.Audit(fraction=1 / 64)))
+    audited = daf.wrap(copy.deepcopy(base), daf.Config(policy=Planted("1#0"), audit=daf.Audit(fraction=1 / 64, min_samples=1)))
     with pytest.warns(UserWarning, match=r"raised the widths of 1#0 1->2"):
         gradient = _gradient(audited, x, y)
     assert daf.report(audited).sections["audit"]["samples"] == 1

@@ -1,8 +1,8 @@
 """The gradient audit: now and then, the gradient of a slice of the batch taken exact and compressed, compared.
 
 Every ``Audit.every`` training forwards of a wrapped model (and the first, with ``Audit.first``), before the
-forward runs, ``GradientAudit.step`` takes the first ``Audit.fraction`` of the batch and computes, twice from
-the same random state, the gradient over the trainable parameters of ``<c, output>`` for a fixed random
+forward runs, ``GradientAudit.step`` takes the first ``Audit.fraction`` of the batch (at least
+``Audit.min_samples``) and computes, twice from the same random state, the gradient over the trainable parameters of ``<c, output>`` for a fixed random
 cotangent ``c`` per output tensor: once with DAF's hooks stepped aside (exact), once through a session of its
 own with the main session's policy and raised widths (compressed, its sites named as the main session's).
 Buffers (batch norm statistics) and the random state are put back after each pass, and ``.grad`` is never
@@ -108,7 +108,7 @@ class GradientAudit:
         if batch is None:
             self._stop("no tensor argument has a batch dimension to slice")
             return None
-        samples = min(batch, max(1, int(self.config.fraction * batch)))
+        samples = min(batch, max(self.config.min_samples, int(self.config.fraction * batch)))
         args, kwargs = _sliced((args, kwargs), batch, samples)
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not params:
