@@ -219,3 +219,52 @@ def test_choice_is_the_width_and_the_reason_from_one_look_at_the_call(monkeypatc
     monkeypatch.setattr(auto, "_norm_with_large_weight", lambda *a: looks.append(1) or real(*a))
     assert [policy.choice("s", x, c) for c in calls] == expected
     assert len(looks) == len(calls)  # one batch norm weight check per save (it syncs a CUDA device)
+
+
+class _ConvCall(_Call):
+    """A convolution call on ``x``, as the op tracker records it."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__("conv2d")
+        self.tensor_arguments = [x, torch.randn(8, 8, 3, 3)]
+
+
+@pytest.mark.parametrize("nonzero, field", [(0.30, "bits"), (0.515, "bits"), (0.52, "feature_map_bits"),
+                                            (0.9, "feature_map_bits")])
+def test_a_relu_outputs_nonzeros_get_4_bits_where_that_costs_no_more_than_2_bit_codes_of_the_map(nonzero, field):
+    relu_out = torch.zeros(2, 8, 10, 10)
+    nonzeros = torch.rand(int(nonzero * relu_out.numel())) + 0.1  # what the session passes: the map's nonzeros
+    assert AutoPolicy.rule(nonzeros, _ConvCall(relu_out)) == field
+    assert "nonzeros of a ReLU output" in AutoPolicy(AUTO).reason(nonzeros, _ConvCall(relu_out))
+    assert AutoPolicy.rule(nonzeros, _Call("linear")) == "bits"  # a 1-D save of another op: no such rule
+    assert AutoPolicy.codes_nonzeros_only
+
+
+def test_wrap_alone_codes_a_relu_cnns_nonzeros_finer_in_fewer_bytes():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    x, y = torch.randn(32, 3, 16, 16), torch.randint(0, 10, (32,))
+
+    def run(nonzeros: bool) -> tuple[torch.Tensor, daf.Report]:
+        wrapped = daf.wrap(copy.deepcopy(model), audit=daf.Audit(every=0))
+        daf.session_of(wrapped).policy.codes_nonzeros_only = nonzeros  # off: the dense 2-bit codes of before
+        F.cross_entropy(wrapped(x), y).backward()
+        return torch.cat([p.grad.flatten() for p in wrapped.parameters()]), daf.report(wrapped)
+
+    exact = model
+    F.cross_entropy(exact(x), y).backward()
+    reference = torch.cat([p.grad.flatten() for p in exact.parameters()])
+    errors, stored = {}, {}
+    for nonzeros in (False, True):
+        errors[nonzeros], stored[nonzeros] = [], []
+        for seed in range(3):  # stochastic rounding: a few draws
+            torch.manual_seed(seed)
+            gradient, report = run(nonzeros)
+            errors[nonzeros].append(float((gradient - reference).norm() / reference.norm()))
+            stored[nonzeros].append(report.stored_bytes)
+    rows = [row for row in report.rows if "nonzeros of a ReLU output" in row.why]
+    assert len(rows) == 2 and all(row.bits in (2, 4) for row in rows)
+    assert max(stored[True]) <= min(stored[False])
+    assert sum(errors[True]) < 0.8 * sum(errors[False]), errors
