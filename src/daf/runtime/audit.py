@@ -114,12 +114,12 @@ class GradientAudit:
         if not params:
             return None  # nothing trains: nothing to audit
         with self._stepping_aside(), _Restoring(model) as state:
-            exact = self._gradient(model, args, kwargs, params, state, self._config, None)
+            exact = self._gradient(model, args, kwargs, params, state, None)
             if exact is None:
                 self._stop("the model's output holds no floating-point tensor with autograd history")
                 return None
             config = self._config.replace(min_numel=_slice_min_numel(self._config.min_numel, samples, batch))
-            result = self._rounds(model, (args, kwargs, params, state, config), exact, samples)
+            result = self._rounds(model, args, kwargs, params, state, config, exact, samples)
         self.audits += 1
         self.last = result
         if result.raised and not self._warned:
@@ -127,16 +127,17 @@ class GradientAudit:
             warnings.warn(_raised_warning(result, self.config.threshold), stacklevel=_caller_level())
         return result
 
-    def _rounds(self, model: nn.Module, slice_: tuple, exact: list, samples: int) -> AuditResult:
+    def _rounds(self, model: nn.Module, args: tuple, kwargs: dict[str, Any], params: list, state: "_Restoring",
+                config: Any, exact: list, samples: int) -> AuditResult:
         """Compressed passes until the cosine reaches the threshold: ``MAX_ROUNDS`` raises of the costliest
         saves, then raises of every stored save until none is coded (four at most: 1 -> 2 -> 4 -> 8 -> raw)."""
-        params = slice_[2]
         names = [name for name, _ in params]
         result = AuditResult(self.session.forwards, samples, None, None)
         round_ = 0
         while True:
             errors: dict[str, tuple[int, float]] = {}
-            compressed = self._gradient(model, *slice_, errors)
+            measured = _Measured(config, self._codecs, self.session, errors)
+            compressed = self._gradient(model, args, kwargs, params, state, measured)
             cosine, result.worst = _compare(names, exact, compressed)
             result.after = cosine
             if round_ == 0:
@@ -147,19 +148,17 @@ class GradientAudit:
             if not chosen or round_ == MAX_ROUNDS + len(WIDER):  # the cap: a width the raises do not reach
                 break
             round_ += 1
-            result.broad = result.broad or round_ > MAX_ROUNDS
+            result.broad = round_ > MAX_ROUNDS
             for site, bits in chosen:
                 self.session.raise_bits(site, WIDER[bits])
                 result.raised.append((site, bits, WIDER[bits]))
         return result
 
     def _gradient(self, model: nn.Module, args: tuple, kwargs: dict[str, Any], params: list,
-                  state: "_Restoring", config: Any, errors: dict[str, tuple[int, float]] | None) -> list | None:
-        """The parameters' gradients of one pass on the slice: exact (``errors`` None) or compressed through a
-        session of ``config``, noting each stored save's (bits, relative squared error) in ``errors``. None:
-        nothing differentiable."""
+                  state: "_Restoring", session: "_Measured | None") -> list | None:
+        """The parameters' gradients of one pass on the slice: exact (``session`` None) or compressed through
+        ``session``, which notes each stored save's (bits, relative squared error). None: nothing differentiable."""
         state.restore()
-        session = None if errors is None else _Measured(config, self._codecs, self.session, errors)
         handles = session.sites.attach(model) if session is not None else []
         try:
             with session if session is not None else contextlib.nullcontext():
