@@ -14,7 +14,7 @@ from daf.config import CONFIG_VERSION, parse_size
 
 def test_defaults_are_valid():
     c = Config()
-    assert (c.bits, c.group_size, c.rounding, c.policy, c.codec) == (None, 256, "stochastic", Auto(),
+    assert (c.bits, c.group_size, c.rounding, c.policy, c.codec) == (None, 256, "auto", Auto(),
                                                                       Outliers(above=8.0, min_channels=32))
     assert (daf.Auto, daf.Uniform, daf.Adaptive, daf.MinMax, daf.Division) == (Auto, Uniform, Adaptive, MinMax, Division)
 
@@ -24,7 +24,7 @@ def test_defaults_are_valid():
     ("bits", "2", "one of (1, 2, 4, 8)"),
     ("group_size", 100, "power of two"),
     ("group_size", 8, "in [16, 1048576]"),
-    ("rounding", "up", "'stochastic', 'nearest'"),
+    ("rounding", "up", "'auto', 'stochastic', 'nearest'"),
     ("min_numel", -1, ">= 0"),
     ("seed", 1.5, "integer"),
     ("policy", "greedy", "daf.Auto(...), daf.Uniform(), daf.Adaptive(...)"),
@@ -182,12 +182,12 @@ _V1 = {"bits": 2, "group_size": 256, "rounding": "stochastic", "min_numel": 4096
 
 
 @pytest.mark.parametrize("changes, expected", [
-    ({}, Config(bits=2, codec=MinMax())),  # what version 1 wrote is kept: uniform 2-bit MinMax, not today's default
-    ({"bits": 4, "codec": "division"}, Config(bits=4, codec=Division())),
+    ({}, Config(bits=2, codec=MinMax(), rounding="stochastic")),  # what version 1 wrote is kept: uniform 2-bit MinMax, not today's default
+    ({"bits": 4, "codec": "division"}, Config(bits=4, codec=Division(), rounding="stochastic")),
     ({"policy": "adaptive", "bits": 1.5, "replan_every": 7},
-     Config(policy=Adaptive(average=1.5, replan_every=7), codec=MinMax())),
-    ({"policy": "adaptive", "bits": 4.0}, Config(policy=Adaptive(average=4.0), codec=MinMax())),
-    ({"replan_every": 3}, Config(bits=2, codec=MinMax())),  # it did nothing under the uniform policy
+     Config(policy=Adaptive(average=1.5, replan_every=7), codec=MinMax(), rounding="stochastic")),
+    ({"policy": "adaptive", "bits": 4.0}, Config(policy=Adaptive(average=4.0), codec=MinMax(), rounding="stochastic")),
+    ({"replan_every": 3}, Config(bits=2, codec=MinMax(), rounding="stochastic")),  # it did nothing under the uniform policy
 ])
 def test_version_1_dicts_are_migrated(changes, expected):
     data = {**_V1, **changes}
@@ -198,7 +198,7 @@ def test_version_1_dicts_are_migrated(changes, expected):
 def test_version_1_dicts_of_older_records_lacking_later_fields_are_migrated():
     old = {k: v for k, v in _V1.items() if k not in ("masks", "allocator")}
     assert Config.from_dict({**old, "policy": "adaptive", "bits": 2.0}) == Config(policy=Adaptive(average=2.0),
-                                                                                  codec=MinMax())
+                                                                                  codec=MinMax(), rounding="stochastic")
 
 
 @pytest.mark.parametrize("changes, says", [({"policy": "greedy"}, "version-1 Config.policy"),

@@ -40,14 +40,26 @@ from daf.allocator.libraries import ALLOCATORS
 from daf.format import ALLOWED_BITS
 
 __all__ = ["Config", "Auto", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "Audit", "parse_size",
-           "register_config_type", "ALLOWED_BITS", "CONFIG_VERSION"]
+           "register_config_type", "ALLOWED_BITS", "CONFIG_VERSION", "ROUNDINGS", "stochastic_at"]
 
 # 2: policy and codec are typed configs ({"kind": ..., fields}), replan_every moved into Adaptive,
 # bits is only the uniform width. Version-1 dicts are migrated by ``Config.from_dict``.
 CONFIG_VERSION = 2
 UNIFORM_BITS = 2  # the Uniform policy's width when none is given
 
-_ROUNDINGS = ("stochastic", "nearest")
+ROUNDINGS = ("auto", "stochastic", "nearest")
+# "auto" rounds codes of this many bits and more to nearest: there the step is fine enough that nearest
+# rounding's bias (at most half a step, unbiased over the group's values) costs less than stochastic
+# rounding's doubled variance; coarser codes keep stochastic rounding's unbiasedness (docs/default.md).
+NEAREST_FROM_BITS = 4
+
+
+def stochastic_at(rounding: str, bits: int) -> bool:
+    """Whether codes of ``bits`` are rounded stochastically under ``rounding`` (one of ``ROUNDINGS``)."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
+    return rounding == "stochastic" or (rounding == "auto" and bits < NEAREST_FROM_BITS)
+
 GENERIC_MODES = ("hold", "floor", "trade")  # what Adaptive.generic may be (daf.policy.adaptive reads it)
 _AXES = ("channel", "token")  # of Outliers
 _BACKENDS = ("auto", "native", "reference")
@@ -451,7 +463,12 @@ class Config:
             that policy (``daf.wrap(model, bits=2)``). None (the default) leaves the choice to the
             policy: ``Auto()`` (a width per save), or ``Adaptive.average``.
         group_size: elements sharing one min/scale pair; a power of two in [16, 2**20].
-        rounding: "stochastic" (unbiased, default) or "nearest".
+        rounding: "auto" (the default: stochastic for codes of 1 and 2 bits, nearest for 4 and 8),
+            "stochastic" (unbiased at every width) or "nearest". Stochastic rounding keeps a coarse
+            code's error unbiased, at twice nearest rounding's error variance; from 4 bits up that
+            variance costs more than nearest rounding's bias of at most half a step: on 42 held-out
+            models' gradients, 32 at cosine >= 0.99 under "auto" against 27 under "stochastic", and a
+            higher stored ratio where fused attention's q and k are kept (docs/default.md).
         min_numel: tensors with fewer elements are kept as they are.
         seed: seed of the counter-based generator used by stochastic rounding.
         policy: ``Uniform()`` (every site gets ``bits``) or ``Adaptive(average=...)`` (bits per site
@@ -505,7 +522,7 @@ class Config:
 
     bits: int | None = None
     group_size: int = 256
-    rounding: str = "stochastic"
+    rounding: str = "auto"
     min_numel: int = 4096
     seed: int = 0
     policy: Auto | Uniform | Adaptive = Auto()
@@ -532,7 +549,7 @@ class Config:
         _check_int("group_size", self.group_size, 16, 2**20)
         if not _is_power_of_two(self.group_size):
             raise ValueError(f"Config.group_size must be a power of two in [16, 1048576], got {self.group_size}")
-        _check_choice("rounding", self.rounding, _ROUNDINGS)
+        _check_choice("rounding", self.rounding, ROUNDINGS)
         _check_int("min_numel", self.min_numel, 0, None)
         _check_int("seed", self.seed, 0, 2**63 - 1)
         _check_choice("backend", self.backend, _BACKENDS)

@@ -148,6 +148,16 @@ def test_channels_last_and_views_come_back_in_their_layout():
     assert float((decode(encode(v, 8, 64, "nearest")) - v).abs().max()) < 0.05
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_auto_rounding_is_stochastic_below_four_bits_and_nearest_from_four(bits):
+    torch.manual_seed(bits)
+    x = torch.randn(1000)
+    chosen, other = ("stochastic", "nearest") if bits < 4 else ("nearest", "stochastic")
+    auto = encode(x, bits, 64, "auto", seed=3).payload
+    assert torch.equal(auto, encode(x, bits, 64, chosen, seed=3).payload)
+    assert not torch.equal(auto, encode(x, bits, 64, other, seed=3).payload)
+
+
 def test_bad_input_is_refused_clearly():
     with pytest.raises(ValueError, match="floating-point"):
         encode(torch.arange(10), 2)

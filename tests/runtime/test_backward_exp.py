@@ -276,6 +276,16 @@ def test_logit_bits_is_the_fewest_width_whose_predicted_shift_is_small(magnitude
     assert logit_bits(q, (q, k, 64 ** -0.5), "nearest", 256) == expected
 
 
+@pytest.mark.parametrize("magnitude", [0.3, 1.5, 5.0])
+def test_auto_rounding_bounds_the_shift_of_q_and_k_as_nearest_codes(magnitude):
+    """Under ``rounding="auto"`` q and k's widths (4, 8) are rounded to nearest: the guard predicts as for
+    nearest rounding, and admits coarser codes than under stochastic rounding where the two differ."""
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 4, 64, 64, generator=g) * magnitude for _ in range(2))
+    widths = {r: logit_bits(q, (q, k, 64 ** -0.5), r, 256) for r in ("auto", "nearest", "stochastic")}
+    assert widths["auto"] == widths["nearest"]
+
+
 def test_the_predicted_shift_bounds_the_measured_one():
     """Codes at the width ``logit_bits`` picks shift the logits by less than ``LOGIT_ERROR`` (root mean square)."""
     from daf.codec.minmax import MinMaxCodec

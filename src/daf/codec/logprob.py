@@ -32,6 +32,7 @@ import torch
 
 from daf.codec.backends import Backend
 from daf.codec.spec import Spec
+from daf.config import stochastic_at
 from daf.format import Packed, flatten_memory_order, restore_memory_order
 from daf.tracing.log_probabilities import READERS
 
@@ -61,7 +62,7 @@ class LogProbCodec:
     def __init__(self, backend: Backend, group_size: int = 256, rounding: str = "stochastic") -> None:
         self.backend = backend
         self.group_size = group_size
-        self.stochastic = rounding == "stochastic"
+        self.rounding = rounding
 
     def readers(self, x: torch.Tensor, spec: Spec) -> frozenset[str]:
         """The ops that may share this record (see the module docstring)."""
@@ -82,7 +83,7 @@ class LogProbCodec:
             probabilities.masked_fill_(probabilities < _NEGLIGIBLE, 0.0)
             seed = (spec.seed + k * _GOLDEN) & 0xFFFFFFFF
             payload, index, value = self.backend.encode_flat(probabilities, spec.bits, self.group_size,
-                                                             self.stochastic, seed)
+                                                             stochastic_at(self.rounding, spec.bits), seed)
             payloads.append(payload)
             if index is not None:
                 indices.append(index + start)

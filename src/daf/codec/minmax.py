@@ -6,7 +6,7 @@ import torch
 
 from daf.codec.backends import REFERENCE, Backend, select_backend
 from daf.codec.spec import Spec
-from daf.config import Config
+from daf.config import Config, stochastic_at
 from daf.format import ALLOWED_BITS, FLOAT_DTYPES, Packed, flatten_memory_order, restore_memory_order
 
 __all__ = ["encode", "decode", "MinMaxCodec"]
@@ -26,10 +26,9 @@ def encode(x: torch.Tensor, bits: int, group_size: int = 256, rounding: str = "s
         raise ValueError(f"encode takes a floating-point tensor ({', '.join(map(str, FLOAT_DTYPES))}), got {x.dtype}")
     if bits not in ALLOWED_BITS:
         raise ValueError(f"bits must be one of {ALLOWED_BITS}, got {bits}")
-    if rounding not in ("stochastic", "nearest"):
-        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+    stochastic = stochastic_at(rounding, bits)
     flat, order = flatten_memory_order(x.detach())
-    payload, exc_index, exc_value = backend.encode_flat(flat, bits, group_size, rounding == "stochastic", seed)
+    payload, exc_index, exc_value = backend.encode_flat(flat, bits, group_size, stochastic, seed)
     return Packed(payload, tuple(x.shape), order, x.dtype, bits, group_size, exc_index, exc_value)
 
 

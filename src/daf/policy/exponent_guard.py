@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from daf.config import stochastic_at
 from daf.policy.uniform import Policy
 from daf.tracing import OpCall, is_log_probabilities, stored_as_probabilities
 
@@ -124,8 +125,8 @@ def logit_bits(x: torch.Tensor, logits: tuple[torch.Tensor, torch.Tensor, float]
     other = key if x is query else query if x is key else None
     magnitude = max(_rms(query), _rms(key)) if other is None else _rms(other)
     step = _rms_group_range(x, group_size)
-    spread = (6.0 if rounding == "stochastic" else 12.0) ** -0.5
     for bits in LOGIT_WIDTHS:
+        spread = (6.0 if stochastic_at(rounding, bits) else 12.0) ** -0.5
         shift = abs(scale) * x.shape[-1] ** 0.5 * step / (2**bits - 1) * spread * magnitude
         if shift <= LOGIT_ERROR:
             return bits

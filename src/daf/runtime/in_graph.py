@@ -57,7 +57,7 @@ def in_graph_hooks(config: Config, saves: GraphSaves | None = None) -> torch.aut
 def in_graph_limits(config: Config) -> list[str]:
     """What of ``config`` compiled graphs cannot do, one phrase each (for the warning ``daf.wrap`` gives)."""
     limits = [GraphWidths.of(config).fallback] if GraphWidths.of(config).fallback else []
-    if config.rounding == "stochastic":
+    if config.rounding != "nearest":
         limits.append("nearest rounding instead of stochastic (a graph's seed is a constant)")
     if type(config.codec).__name__ != "MinMax":
         limits.append(f"plain min/max groups instead of {type(config.codec).__name__}")
