@@ -49,6 +49,8 @@ TINY = ["-O", "train_size=256", "-O", "eval_size=100", "--batch", "32", "--no-pr
     (["train", "tiny-mnist", "--floors", "linear"], "write OP=BITS pairs separated by commas"),
     (["train", "tiny-mnist", "--floors", "linear=3"], "BITS one of (1, 2, 4, 8)"),
     (["train", "tiny-mnist", "--floors", "linear=4,linear=8"], "name each function once"),
+    (["train", "tiny-mnist", "--rounding", "up"], "invalid choice: 'up' (choose from 'auto', 'stochastic', 'nearest')"),
+    (["train", "tiny-mnist", "--fp32", "--rounding", "nearest"], "--fp32 trains without DAF, so --rounding cannot"),
 ])
 def test_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -327,6 +329,15 @@ def test_codec_flag_sets_the_codes_codec(tmp_path, codec, kind, derivatives):
                  "--json", str(path)]) == 0
     config = json.loads(path.read_text())["runs"]["daf"]["config"]
     assert config["codec"]["kind"] == kind and config["codec"].get("derivatives") == derivatives
+
+
+@pytest.mark.parametrize("rounding, expected", [(None, "auto"), ("stochastic", "stochastic"), ("nearest", "nearest")])
+def test_rounding_flag_sets_config_rounding(tmp_path, rounding, expected):
+    path = tmp_path / "run.json"
+    flag = [] if rounding is None else ["--rounding", rounding]
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, *flag, "--no-plots", "--allocator", "system",
+                 "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["runs"]["daf"]["config"]["rounding"] == expected
 
 
 @pytest.mark.parametrize("layout, channels_last", [(None, True), ("channels-last", True), ("as-saved", False)])

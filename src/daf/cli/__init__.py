@@ -26,11 +26,12 @@ from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
 from daf.cli.arguments import Parser
-from daf.config import ALLOWED_BITS, GENERIC_MODES, Adaptive, Config, Division, MinMax, Outliers, Uniform
+from daf.config import ALLOWED_BITS, GENERIC_MODES, ROUNDINGS, Adaptive, Config, Division, MinMax, Outliers, Uniform
 
 __all__ = ["main", "entry", "build_parser"]
 
-_DAF_FLAGS = ("bits", "policy", "average", "generic", "codec", "budget", "group_size", "backend", "layout", "floors")
+_DAF_FLAGS = ("bits", "policy", "average", "generic", "codec", "budget", "group_size", "rounding", "backend", "layout",
+              "floors")
 # --layout: how convolutions', batch norms' and ReLUs' 4-D saves come back (Config.channels_last; docs/memory.md)
 _LAYOUTS = {"channels-last": True, "as-saved": False}
 # --codec NAME: the codes codec (docs/transformers.md for outliers; docs/policy.md for division)
@@ -141,6 +142,9 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
                                "layer_norm=4,scaled_dot_product_attention=4,linear=4 (daf.Config.floors)")
     compress.add_argument("--budget", help="memory budget of stored activations, e.g. 512MiB")
     compress.add_argument("--group-size", type=int, dest="group_size", help="elements per min/scale group (256)")
+    compress.add_argument("--rounding", choices=ROUNDINGS,
+                          help="auto (default: stochastic for 1- and 2-bit codes, nearest for 4 and 8), stochastic "
+                               "or nearest")
     compress.add_argument("--backend", help="auto, native or reference")
     compress.add_argument("--layout", choices=tuple(_LAYOUTS),
                           help="the layout 4-D saves of convolutions, batch norms and ReLUs come back in on the CPU: "
