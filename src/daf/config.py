@@ -49,8 +49,9 @@ UNIFORM_BITS = 2  # the Uniform policy's width when none is given
 
 ROUNDINGS = ("auto", "stochastic", "nearest")
 # "auto" rounds codes of this many bits and more to nearest: there the step is fine enough that nearest
-# rounding's bias (at most half a step, unbiased over the group's values) costs less than stochastic
-# rounding's doubled variance; coarser codes keep stochastic rounding's unbiasedness (docs/default.md).
+# rounding's error (at most half a step, the same for the same value at every step) costs less than
+# stochastic rounding's doubled variance; coarser codes keep stochastic rounding's unbiasedness
+# (docs/default.md, "Rounding to nearest from 4 bits").
 NEAREST_FROM_BITS = 4
 
 
