@@ -70,6 +70,42 @@ def test_more_than_two_values_is_refused():
         encode_relu_mask(torch.ones(4, dtype=torch.int32))
 
 
+def _patterns(x):
+    """The distinct bit patterns of ``x``, by definition."""
+    return set(_bits(x.resolve_neg().contiguous()).reshape(-1).tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.bool]),
+       st.sampled_from(["contiguous", "transposed", "channels_last", "sliced", "expanded", "negative_view"]),
+       st.integers(1, 3))
+def test_two_values_is_its_definition_on_every_kind_of_view(seed, dtype, view, kinds):
+    """The first elements are read as raw bytes where the tensor is dense: a transpose or channels-last
+    (memory order), a slice and an expand (not dense: flattened first) and a negative view (its bytes
+    are not its values) must all give what the values say."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, kinds, (2, 3, 6, 5), generator=g)
+    x = base.bool() if dtype == torch.bool else (base.to(dtype) * 1.5).to(dtype)
+    if view == "transposed":
+        x = x.transpose(1, 3)
+    elif view == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif view == "sliced":  # a third value between the view's first elements in memory
+        x = x.clone()
+        x[..., 2:] = True if dtype == torch.bool else 7.0
+        x = x[..., :2]
+    elif view == "expanded":
+        x = x.clone()
+        x[..., 1:] = True if dtype == torch.bool else 7.0
+        x = x[..., :1].expand(2, 3, 6, 4)
+    elif view == "negative_view" and dtype != torch.bool:
+        x = torch._neg_view(x)
+    values = two_values(x)
+    assert (values is not None) == (len(_patterns(x)) <= 2)
+    if values is not None:
+        assert torch.equal(_bits(decode_mask(encode_mask(x, values))), _bits(x.resolve_neg().contiguous()))
+
+
 def test_relu_mask_keeps_only_the_sign():
     x = torch.tensor([0.0, 0.5, 0.0, 2.0])
     assert torch.equal(decode_mask(encode_relu_mask(x)), torch.tensor([0.0, 1.0, 0.0, 1.0]))
