@@ -9,7 +9,7 @@ import pytest
 
 import daf
 from daf import Adaptive, Audit, Auto, Config, Division, MinMax, Outliers, Uniform
-from daf.config import CONFIG_VERSION, parse_size
+from daf.config import CONFIG_VERSION, REMAKES, parse_size
 
 
 def test_defaults_are_valid():
@@ -307,3 +307,16 @@ def test_config_audit_takes_an_audit_and_old_dicts_without_it_get_the_default():
     data = Config(bits=4).to_dict()
     del data["audit"]
     assert Config.from_dict(data) == Config(bits=4)
+
+
+def test_remakes_are_rule_names_in_the_table_order_a_list_in_json_and_checked():
+    assert Config().remakes == REMAKES
+    config = Config(remakes=["norm_block", "activation"])
+    assert config.remakes == ("activation", "norm_block")
+    assert Config.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert Config.from_dict({k: v for k, v in Config().to_dict().items() if k != "remakes"}).remakes == REMAKES
+    assert Config(remakes=()).remakes == ()
+    for value, says in (("activation", "must be a sequence of names"), (["head"], "no remake rule named 'head'"),
+                        (["activation", "activation"], "names each rule once"), (None, "must be a sequence")):
+        with pytest.raises(ValueError, match=says):
+            Config(remakes=value)

@@ -40,7 +40,7 @@ from daf.allocator.libraries import ALLOCATORS
 from daf.format import ALLOWED_BITS
 
 __all__ = ["Config", "Auto", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "Audit", "parse_size",
-           "register_config_type", "ALLOWED_BITS", "CONFIG_VERSION", "ROUNDINGS", "stochastic_at"]
+           "register_config_type", "ALLOWED_BITS", "CONFIG_VERSION", "ROUNDINGS", "REMAKES", "stochastic_at"]
 
 # 2: policy and codec are typed configs ({"kind": ..., fields}), replan_every moved into Adaptive,
 # bits is only the uniform width. Version-1 dicts are migrated by ``Config.from_dict``.
@@ -53,6 +53,10 @@ ROUNDINGS = ("auto", "stochastic", "nearest")
 # stochastic rounding's doubled variance; coarser codes keep stochastic rounding's unbiasedness
 # (docs/default.md, "Rounding to nearest from 4 bits").
 NEAREST_FROM_BITS = 4
+# The remake rules (daf.runtime.remakes, in the order they are asked): saves recomputed in backward from
+# records of the same forward instead of stored. Each trades a recomputation for memory; the costliest is
+# the head's, a language model's head matmul again (8.6% of a SmolLM2 step, docs/transformers.md, section 8).
+REMAKES = ("activation", "attention_output", "attention_map", "head_log_probabilities", "norm_block")
 
 
 def stochastic_at(rounding: str, bits: int) -> bool:
@@ -512,6 +516,13 @@ class Config:
             is its own allocator's).
         audit: the gradient audit, ``Audit()`` (on: every 50 forwards and the first) or ``Audit(every=0)``
             (off); docs/audit.md.
+        remakes: the remake rules in use, by name (all of ``REMAKES`` by default; ``()`` for none): which
+            saves are recomputed in backward from records of the same forward instead of stored. Fewer
+            rules store more and recompute less: without "head_log_probabilities" an LM's log-probabilities
+            are stored as 4-bit codes of their probabilities (SmolLM2 at batch 8 x 64: about 13 MB more,
+            the head's matmul not run again in backward); without "attention_output" fused attention's
+            output and v are stored at 8 bits (their difference is what backward takes). The rules and
+            what each remakes: docs/architecture.md, "Remake rules".
         floors: the fewest bits for what named torch functions save, above whatever the policy gives:
             ``{"layer_norm": 4, "scaled_dot_product_attention": 4}`` (names as ``torch.nn.functional``
             spells them; the site's op in ``daf.report``). Kept as sorted ``(name, bits)`` pairs; a
@@ -540,6 +551,7 @@ class Config:
     allocator: str = "auto"
     decommit: bool = False
     floors: tuple[tuple[str, int], ...] = ()
+    remakes: tuple[str, ...] = REMAKES
     audit: Audit = field(default_factory=Audit)
     version: int = field(default=CONFIG_VERSION, repr=False)
 
@@ -568,6 +580,7 @@ class Config:
         _check_choice("allocator", self.allocator, _ALLOCATORS)
         _check_bool("Config.decommit", self.decommit)
         object.__setattr__(self, "floors", _checked_floors(self.floors))
+        object.__setattr__(self, "remakes", _checked_remakes(self.remakes))
         if not isinstance(self.audit, Audit):
             raise ValueError(f"Config.audit must be a daf.Audit(...) (daf.Audit(every=0) turns it off), "
                              f"got {self.audit!r}")
@@ -625,6 +638,7 @@ class Config:
         """
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["floors"] = dict(self.floors)
+        data["remakes"] = list(self.remakes)
         for name in _KINDS:
             data[name] = _typed_to_dict(name, data[name])
         data["audit"] = dataclasses.asdict(self.audit)
@@ -649,6 +663,20 @@ class Config:
         if isinstance(data.get("audit"), Mapping):  # a dict without it (written before the audit) takes the default
             data["audit"] = Audit(**data["audit"])
         return cls().replace(**data)
+
+
+def _checked_remakes(value: Any) -> tuple[str, ...]:
+    """``remakes`` as rule names in ``REMAKES``' order, from any sequence of distinct names."""
+    allowed = f"a sequence of names from {REMAKES} (each once; () for none)"
+    if isinstance(value, str) or not isinstance(value, (tuple, list, set, frozenset)):
+        raise ValueError(f"Config.remakes must be {allowed}; got {value!r}")
+    names = list(value)
+    unknown = [name for name in names if name not in REMAKES]
+    if unknown:
+        raise ValueError(f"Config.remakes: no remake rule named {', '.join(map(repr, unknown))}; it must be {allowed}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"Config.remakes names each rule once; got {value!r}")
+    return tuple(name for name in REMAKES if name in names)
 
 
 def _checked_floors(value: Any) -> tuple[tuple[str, int], ...]:

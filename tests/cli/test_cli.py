@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from daf.config import REMAKES
 from daf.cli import main
 from daf.cli.record import RUN_KEYS, SCHEMA
 
@@ -51,6 +52,8 @@ TINY = ["-O", "train_size=256", "-O", "eval_size=100", "--batch", "32", "--no-pr
     (["train", "tiny-mnist", "--floors", "linear=4,linear=8"], "name each function once"),
     (["train", "tiny-mnist", "--rounding", "up"], "invalid choice: 'up' (choose from 'auto', 'stochastic', 'nearest')"),
     (["train", "tiny-mnist", "--fp32", "--rounding", "nearest"], "--fp32 trains without DAF, so --rounding cannot"),
+    (["train", "tiny-mnist", "--remakes", "head"], "write rule names from activation, attention_output"),
+    (["train", "tiny-mnist", "--remakes", "activation,activation"], "each once, or none"),
 ])
 def test_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -338,6 +341,16 @@ def test_rounding_flag_sets_config_rounding(tmp_path, rounding, expected):
     assert main(["train", "tiny-mnist", "--steps", "1", *TINY, *flag, "--no-plots", "--allocator", "system",
                  "--json", str(path)]) == 0
     assert json.loads(path.read_text())["runs"]["daf"]["config"]["rounding"] == expected
+
+
+@pytest.mark.parametrize("flag, expected", [(None, list(REMAKES)), ("none", []),
+                                            ("norm_block, activation", ["activation", "norm_block"])])
+def test_remakes_flag_sets_config_remakes(tmp_path, flag, expected):
+    path = tmp_path / "run.json"
+    given = [] if flag is None else ["--remakes", flag]
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, *given, "--no-plots", "--allocator", "system",
+                 "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["runs"]["daf"]["config"]["remakes"] == expected
 
 
 @pytest.mark.parametrize("layout, channels_last", [(None, True), ("channels-last", True), ("as-saved", False)])

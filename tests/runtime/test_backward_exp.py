@@ -130,9 +130,28 @@ def test_a_remade_output_keeps_sharp_attention_where_separate_codes_of_v_and_the
     reference = _grads(model, x)
     daf.wrap(model, bits=4, min_numel=1)
     remade = F.cosine_similarity(_grads(model, x), reference, dim=0)
-    without_rule(model, "attention_output")  # the output coded at 4 bits
+    without_rule(model, "attention_output")  # the output coded at 4 bits, v at the 4 a remade output allows
+    session_module = importlib.import_module("daf.runtime.session")
+    monkeypatch.setattr(session_module, "guarded_choice",
+                        lambda *args, **kwargs: guard_module.guarded_choice(*args, **{**kwargs, "attention_remade": True}))
     stored = F.cosine_similarity(_grads(model, x), reference, dim=0)
     assert remade > 0.98 and stored < remade - 0.05  # 0.99 and 0.85 when measured
+
+
+def test_without_the_attention_output_rule_v_and_the_output_keep_8_bits():
+    """``Config.remakes`` without "attention_output": the output is stored, so the guard gives it and v the
+    8 bits a stored pair needs (their difference is what backward takes), not the 4 a remade output allows."""
+    torch.manual_seed(0)
+    model, x = Attention(sharpness=30.0), torch.randn(4, 64, 64)
+    reference = _grads(model, x)
+    remakes = tuple(name for name in daf.Config().remakes if name != "attention_output")
+    daf.wrap(model, bits=4, min_numel=1, remakes=remakes)
+    stored = F.cosine_similarity(_grads(model, x), reference, dim=0)
+    rows = daf.report(model).rows
+    assert all(row.kind != "derived" for row in rows)
+    values = [row for row in rows if row.why == "exponentiated in backward"]  # v and the output
+    assert [row.bits for row in values] == [8, 8]
+    assert stored > 0.999  # 0.9997 when measured
 
 
 @needs_fused

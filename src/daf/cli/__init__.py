@@ -26,12 +26,12 @@ from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
 from daf.cli.arguments import Parser
-from daf.config import ALLOWED_BITS, GENERIC_MODES, ROUNDINGS, Adaptive, Config, Division, MinMax, Outliers, Uniform
+from daf.config import ALLOWED_BITS, GENERIC_MODES, REMAKES, ROUNDINGS, Adaptive, Config, Division, MinMax, Outliers, Uniform
 
 __all__ = ["main", "entry", "build_parser"]
 
 _DAF_FLAGS = ("bits", "policy", "average", "generic", "codec", "budget", "group_size", "rounding", "backend", "layout",
-              "floors")
+              "floors", "remakes")
 # --layout: how convolutions', batch norms' and ReLUs' 4-D saves come back (Config.channels_last; docs/memory.md)
 _LAYOUTS = {"channels-last": True, "as-saved": False}
 # --codec NAME: the codes codec (docs/transformers.md for outliers; docs/policy.md for division)
@@ -71,6 +71,16 @@ def _floors(value: str) -> str:
     if len({op.strip() for op, _, _ in pairs}) != len(pairs):
         raise argparse.ArgumentTypeError(f"{value!r}: name each function once")
     return ",".join(f"{op.strip()}={bits.strip()}" for op, _, bits in pairs)
+
+
+def _remakes(value: str) -> str:
+    """``--remakes``: comma-separated rule names, or "none"; kept as the string (passed on to child runs)."""
+    names = [] if value.strip() == "none" else [name.strip() for name in value.split(",")]
+    unknown = [name for name in names if name not in REMAKES]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{value!r}: write rule names from {', '.join(REMAKES)} separated by "
+                                         f"commas, each once, or none")
+    return ",".join(names) or "none"
 
 
 def _width(text: str) -> int:
@@ -140,6 +150,9 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     compress.add_argument("--floors", type=_floors, metavar="OP=BITS,...",
                           help="the fewest bits for what these torch functions save, above the policy's, e.g. "
                                "layer_norm=4,scaled_dot_product_attention=4,linear=4 (daf.Config.floors)")
+    compress.add_argument("--remakes", type=_remakes, metavar="RULE,...|none",
+                          help="the remake rules in use (default: all): saves recomputed in backward instead of "
+                               "stored, from " + ", ".join(REMAKES) + " (daf.Config.remakes)")
     compress.add_argument("--budget", help="memory budget of stored activations, e.g. 512MiB")
     compress.add_argument("--group-size", type=int, dest="group_size", help="elements per min/scale group (256)")
     compress.add_argument("--rounding", choices=ROUNDINGS,
@@ -255,6 +268,8 @@ def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> di
     if "floors" in fields:
         pairs = (pair.partition("=") for pair in fields["floors"].split(","))  # checked by _floors
         fields["floors"] = {op: int(bits) for op, _, bits in pairs}
+    if "remakes" in fields:
+        fields["remakes"] = () if fields["remakes"] == "none" else tuple(fields["remakes"].split(","))
     if "layout" in fields:
         fields["channels_last"] = _LAYOUTS[fields.pop("layout")]
     return fields

@@ -54,15 +54,16 @@ LOGIT_ERROR = 0.03
 _SOFTMAX_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 
 
-def backward_exponentiates(call: OpCall | None, tensor: torch.Tensor) -> bool:
+def backward_exponentiates(call: OpCall | None, tensor: torch.Tensor, attention_remade: bool = True) -> bool:
     """Whether backward feeds ``tensor`` (or what it recomputes from it) to exp(), where a coarse code's
     additive error becomes a multiplicative one: fused attention's q and k (and its v and output, whose
-    difference backward takes, unless the output is remade), and log_softmax's output saved where DAF
-    does not know the op (else it is coded as its probabilities: ``is_probability_map``)."""
+    difference backward takes, unless the output is remade: where the call allows it and
+    ``attention_remade``, the rule is in use), and log_softmax's output saved where DAF does not know the
+    op (else it is coded as its probabilities: ``is_probability_map``)."""
     if call is None:  # log_softmax's output saved by an op DAF did not see: coded as it is, at 8 bits
         return is_log_probabilities(tensor)
     role = call.fused_attention_role(tensor)
-    return role == "logits" or (role == "values" and not call.remakes_attention_output)
+    return role == "logits" or (role == "values" and not (attention_remade and call.remakes_attention_output))
 
 
 def is_probability_map(tensor: torch.Tensor, call: OpCall | None = None) -> bool:
@@ -72,17 +73,19 @@ def is_probability_map(tensor: torch.Tensor, call: OpCall | None = None) -> bool
         or stored_as_probabilities(tensor, call)
 
 
-def floor_bits(x: torch.Tensor, op: OpCall | None = None, rounding: str = "stochastic", group_size: int = 256) -> int:
+def floor_bits(x: torch.Tensor, op: OpCall | None = None, rounding: str = "stochastic", group_size: int = 256,
+               attention_remade: bool = True) -> int:
     """The fewest bits these rules allow for ``x`` (1: no rule applies; 0: only raw will do)."""
-    return floor_rule(x, op, rounding, group_size)[0]
+    return floor_rule(x, op, rounding, group_size, attention_remade)[0]
 
 
 def floor_rule(x: torch.Tensor, op: OpCall | None = None, rounding: str = "stochastic",
-               group_size: int = 256) -> tuple[int, str]:
-    """``floor_bits`` and the name of the rule that sets it ("" where none applies)."""
+               group_size: int = 256, attention_remade: bool = True) -> tuple[int, str]:
+    """``floor_bits`` and the name of the rule that sets it ("" where none applies). ``attention_remade``:
+    whether the session remakes fused attention's output where the call allows (``Config.remakes``)."""
     if op is not None and op.fused_attention_role(x) == "logits" and op.attention_logits is not None:
         return logit_bits(x, op.attention_logits, rounding, group_size), "logit error bound"
-    if backward_exponentiates(op, x):
+    if backward_exponentiates(op, x, attention_remade):
         return SOFTMAX_RECOMPUTE_BITS, "exponentiated in backward"
     if op is not None and op.fused_attention_role(x) == "values":  # v, and the output where it is remade
         return ATTENTION_VALUE_BITS, "attention values"
@@ -90,19 +93,20 @@ def floor_rule(x: torch.Tensor, op: OpCall | None = None, rounding: str = "stoch
 
 
 def guarded_bits(policy: Policy, site: str, x: torch.Tensor, op: OpCall | None = None,
-                 rounding: str = "stochastic", group_size: int = 256) -> int:
+                 rounding: str = "stochastic", group_size: int = 256, attention_remade: bool = True) -> int:
     """``policy.bits_for(site, x)``, raised to ``floor_bits``: whatever the policy, these rules hold
     (a raw choice, 0 bits, stays raw; so does a save whose error bound no width meets)."""
-    return guarded_choice(policy, site, x, op, rounding, group_size)[0]
+    return guarded_choice(policy, site, x, op, rounding, group_size, attention_remade)[0]
 
 
 def guarded_choice(policy: Policy, site: str, x: torch.Tensor, op: OpCall | None = None,
-                   rounding: str = "stochastic", group_size: int = 256) -> tuple[int, str]:
+                   rounding: str = "stochastic", group_size: int = 256,
+                   attention_remade: bool = True) -> tuple[int, str]:
     """``guarded_bits`` and why: the rule that set the width (the policy's reason, or a guard's)."""
     bits, reason = policy.choice(site, x, op)
     if not bits:
         return bits, reason
-    floor, rule = floor_rule(x, op, rounding, group_size)
+    floor, rule = floor_rule(x, op, rounding, group_size, attention_remade)
     if floor == 0:
         return 0, f"{rule}: no width meets it"
     return (floor, rule) if floor > bits else (bits, reason)

@@ -46,7 +46,7 @@ class Session:
         self.config = config
         self.min_numel = config.min_numel
         # The rules that remake saves; they read this forward's records through this session (remakes.Records)
-        self.remakes = remakes if remakes is not None else Remakes()
+        self.remakes = remakes if remakes is not None else Remakes.named(config.remakes)
         self.codecs = codecs if codecs is not None else Codecs(config)
         self.policy = policy if policy is not None else make_policy(config)
         self.store = store if store is not None else make_store(config, self.codecs.reencode)
@@ -388,7 +388,8 @@ class Session:
         return trackers[-1].current if trackers else None
 
     def _bits_for(self, site: str, x: torch.Tensor, op: OpCall | None) -> int:
-        bits, self._why.reason = guarded_choice(self.policy, site, x, op, self.config.rounding, self.config.group_size)
+        bits, self._why.reason = guarded_choice(self.policy, site, x, op, self.config.rounding, self.config.group_size,
+                                                attention_remade="attention_output" in self.remakes.names)
         floor = self.config.floor_for(op.name) if bits and op is not None and self.config.floors else 0
         if bits and floor > bits:  # a raw choice (0) stays raw
             bits, self._why.reason = floor, f"floor for {op.name}"

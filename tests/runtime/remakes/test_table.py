@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import daf
+from daf.config import REMAKES
 from daf.runtime.remakes import DEFAULT_RULES, Remakes
 from daf.runtime.remakes.blocks import NormBlockRule
 
@@ -107,6 +108,32 @@ def test_without_its_rule_the_save_is_stored():
     assert not [row for row in daf.report(model).rows if row.kind == "derived"]
 
 
+@pytest.mark.parametrize("name, build, config, rule", TABLE, ids=[row[0] for row in TABLE])
+def test_config_remakes_without_a_rule_stores_its_save(name, build, config, rule):
+    """``Config.remakes`` names the rules in use: without one, no save is remade by it, and the saves it
+    would have remade are stored (their bytes counted); the other rules still apply."""
+    torch.manual_seed(0)
+    model, loss = build()
+    daf.wrap(model, audit=daf.Audit(every=0), remakes=tuple(r for r in daf.Config().remakes if r != rule), **config)
+    assert rule not in daf.session_of(model).remakes.names
+    loss(model).backward()
+    rows = daf.report(model).rows
+    assert not [row for row in rows if row.why.startswith(f"{rule}: remade")]
+    assert daf.report(model).stored_bytes > 0
+
+
+def test_config_remakes_none_remakes_nothing():
+    torch.manual_seed(0)
+    model, loss = _lm_head()
+    daf.wrap(model, audit=daf.Audit(every=0), bits=4, min_numel=64, remakes=())
+    loss(model).backward()
+    rows = daf.report(model).rows
+    assert daf.session_of(model).remakes.names == ()
+    assert not [row for row in rows if ": remade" in row.why] and not any(r.site.endswith(".head_input") for r in rows)
+    coded = [row for row in rows if row.source == "LogSoftmaxBackward0" and row.kind == "compressed"]
+    assert [row.bits for row in coded] == [4]  # codes of the probabilities (nll_loss shares them)
+
+
 def test_the_default_keeps_codes_where_a_remake_would_be_coarser_and_says_why():
     """Under daf.wrap(model), 2-bit records of the norm's input remade through ReLU hold about 1 bit's worth:
     the conv's input keeps 2-bit codes, and its row says why it was not remade."""
@@ -135,3 +162,7 @@ def test_lost_bits_is_checked():
 
 def test_the_default_table_order():
     assert Remakes().names == ("activation", "attention_output", "attention_map", "head_log_probabilities", "norm_block")
+    assert Remakes().names == daf.Config().remakes == REMAKES  # the config names every rule, in the table's order
+    assert Remakes.named(("norm_block", "activation")).names == ("activation", "norm_block")
+    with pytest.raises(ValueError, match="no remake rule named"):
+        Remakes.named(("head",))

@@ -60,6 +60,14 @@ class Remakes:
             raise ValueError(f"remake rules need distinct names; got {names}")
         self.rules = tuple(rules)
 
+    @classmethod
+    def named(cls, names: Sequence[str]) -> "Remakes":
+        """The default rules named in ``names`` (``Config.remakes``), in their order."""
+        unknown = set(names) - {rule.name for rule in DEFAULT_RULES}
+        if unknown:
+            raise ValueError(f"no remake rule named {sorted(unknown)}; the rules: {[r.name for r in DEFAULT_RULES]}")
+        return cls([rule for rule in DEFAULT_RULES if rule.name in names])
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(rule.name for rule in self.rules)
