@@ -518,11 +518,13 @@ class Config:
             (off); docs/audit.md.
         remakes: the remake rules in use, by name (all of ``REMAKES`` by default; ``()`` for none): which
             saves are recomputed in backward from records of the same forward instead of stored. Fewer
-            rules store more and recompute less: without "head_log_probabilities" an LM's log-probabilities
-            are stored as 4-bit codes of their probabilities (SmolLM2 at batch 8 x 64: about 13 MB more,
-            the head's matmul not run again in backward); without "attention_output" fused attention's
-            output and v are stored at 8 bits (their difference is what backward takes). The rules and
-            what each remakes: docs/architecture.md, "Remake rules".
+            rules store more and recompute less, and most remakes are more accurate than the codes they
+            replace: without "head_log_probabilities" an LM's log-probabilities are stored as 4-bit codes
+            of their probabilities (SmolLM2 at batch 8 x 64: 12 MiB more, x1.33 fp32's step instead of
+            x1.46, first-step gradient cosine 0.885 instead of 0.980); without "attention_output" fused
+            attention's output and v are stored at 8 bits (their difference is what backward takes). The
+            rules and what each remakes: docs/architecture.md, "Remake rules"; their cost:
+            benchmarks/remakes_step.py, docs/transformers.md section 8.
         floors: the fewest bits for what named torch functions save, above whatever the policy gives:
             ``{"layer_norm": 4, "scaled_dot_product_attention": 4}`` (names as ``torch.nn.functional``
             spells them; the site's op in ``daf.report``). Kept as sorted ``(name, bits)`` pairs; a
