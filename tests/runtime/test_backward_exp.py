@@ -295,6 +295,20 @@ def test_logit_bits_is_the_fewest_width_whose_predicted_shift_is_small(magnitude
     assert logit_bits(q, (q, k, 64 ** -0.5), "nearest", 256) == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_logit_bits_takes_every_float_dtype_and_layout_the_same_way(dtype, layout):
+    """The guard's statistics in every float dtype (float64 raised once) and for a transposed q (read in
+    memory order without a copy): the width of the same values does not depend on either."""
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 4, 64, 64, generator=g) * 1.5 for _ in range(2))
+    expected = logit_bits(q, (q, k, 64 ** -0.5), "nearest", 256)
+    q, k = q.to(dtype), k.to(dtype)
+    if layout == "transposed":  # the same memory order, seen as (batch, heads, tokens, dim) of a transpose
+        q, k = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k))
+    assert logit_bits(q, (q, k, 64 ** -0.5), "nearest", 256) == expected == 8
+
+
 @pytest.mark.parametrize("magnitude", [0.3, 1.5, 5.0])
 def test_auto_rounding_bounds_the_shift_of_q_and_k_as_nearest_codes(magnitude):
     """Under ``rounding="auto"`` q and k's widths (4, 8) are rounded to nearest: the guard predicts as for
