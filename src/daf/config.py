@@ -40,7 +40,8 @@ from daf.allocator.libraries import ALLOCATORS
 from daf.format import ALLOWED_BITS
 
 __all__ = ["Config", "Auto", "Uniform", "Adaptive", "MinMax", "Division", "Outliers", "Audit", "parse_size",
-           "register_config_type", "ALLOWED_BITS", "CONFIG_VERSION", "ROUNDINGS", "REMAKES", "stochastic_at"]
+           "register_config_type", "ALLOWED_BITS", "CONFIG_VERSION", "ROUNDINGS", "REMAKES", "parse_remakes",
+           "stochastic_at"]
 
 # 2: policy and codec are typed configs ({"kind": ..., fields}), replan_every moved into Adaptive,
 # bits is only the uniform width. Version-1 dicts are migrated by ``Config.from_dict``.
@@ -665,6 +666,16 @@ class Config:
         if isinstance(data.get("audit"), Mapping):  # a dict without it (written before the audit) takes the default
             data["audit"] = Audit(**data["audit"])
         return cls().replace(**data)
+
+
+def parse_remakes(text: str) -> tuple[str, ...]:
+    """``Config.remakes`` from the command line's form: rule names separated by commas, or "none".
+
+    >>> parse_remakes("norm_block, activation"), parse_remakes("none")
+    (('activation', 'norm_block'), ())
+    """
+    names = () if text.strip() == "none" else tuple(name.strip() for name in text.split(","))
+    return _checked_remakes(names)
 
 
 def _checked_remakes(value: Any) -> tuple[str, ...]:

@@ -101,3 +101,13 @@ def test_the_audit_is_averaged_over_the_steps_not_a_median():
             {"fp32": 1.0, "tracker": 1.0, "daf": 1.0}, {"fp32": 1.0, "tracker": 1.0, "daf": 1.0}]
     components = overhead._components(rows)
     assert math.isclose(components["audit"], 0.1) and "inner:audit" not in components
+
+
+def test_remakes_sets_the_rules_in_use_and_a_bad_name_is_refused(tmp_path):
+    import pytest
+    path = tmp_path / "o.json"
+    assert main(["overhead", "--workload", "tiny-mnist", "--batch", "16", "--steps", "1", "--warmup", "0",
+                 "-O", "train_size=64", "--default", "--remakes", "norm_block", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["config"]["remakes"] == ["norm_block"]
+    with pytest.raises(SystemExit, match="--remakes head: Config.remakes: no remake rule named 'head'"):
+        main(["overhead", "--workload", "tiny-mnist", "--remakes", "head"])

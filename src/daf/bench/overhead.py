@@ -207,6 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default", action="store_true",
                         help="daf.wrap(model)'s own config, Config() (the automatic choice per save), instead of "
                              "the workload's")
+    parser.add_argument("--remakes", metavar="RULE,...|none",
+                        help="Config.remakes: the remake rules in use, by name, or none (default: the config's, all)")
     parser.add_argument("--return-pages", action="store_true",
                         help="Config.return_pages: the pool gives freed pages back to the system at once")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
@@ -238,6 +240,12 @@ def run(args: argparse.Namespace) -> int:
         config = config.replace(bits=args.bits)
     if args.return_pages:
         config = config.replace(return_pages=True)
+    if args.remakes is not None:
+        from daf.config import parse_remakes
+        try:
+            config = config.replace(remakes=parse_remakes(args.remakes))
+        except ValueError as error:
+            raise SystemExit(f"--remakes {args.remakes}: {error}") from None
     result = measure(args.workload, args.batch, args.steps, args.warmup, options, config, clock=args.clock)
     print(table(result))
     if args.json:

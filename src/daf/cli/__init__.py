@@ -26,7 +26,8 @@ from typing import Any
 
 from daf.allocator.libraries import ALLOCATORS
 from daf.cli.arguments import Parser
-from daf.config import ALLOWED_BITS, GENERIC_MODES, REMAKES, ROUNDINGS, Adaptive, Config, Division, MinMax, Outliers, Uniform
+from daf.config import (ALLOWED_BITS, GENERIC_MODES, REMAKES, ROUNDINGS, Adaptive, Config, Division, MinMax, Outliers,
+                        Uniform, parse_remakes)
 
 __all__ = ["main", "entry", "build_parser"]
 
@@ -75,11 +76,11 @@ def _floors(value: str) -> str:
 
 def _remakes(value: str) -> str:
     """``--remakes``: comma-separated rule names, or "none"; kept as the string (passed on to child runs)."""
-    names = [] if value.strip() == "none" else [name.strip() for name in value.split(",")]
-    unknown = [name for name in names if name not in REMAKES]
-    if unknown or len(set(names)) != len(names):
+    try:
+        names = parse_remakes(value)
+    except ValueError as error:
         raise argparse.ArgumentTypeError(f"{value!r}: write rule names from {', '.join(REMAKES)} separated by "
-                                         f"commas, each once, or none")
+                                         f"commas, each once, or none ({error})") from None
     return ",".join(names) or "none"
 
 
@@ -269,7 +270,7 @@ def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> di
         pairs = (pair.partition("=") for pair in fields["floors"].split(","))  # checked by _floors
         fields["floors"] = {op: int(bits) for op, _, bits in pairs}
     if "remakes" in fields:
-        fields["remakes"] = () if fields["remakes"] == "none" else tuple(fields["remakes"].split(","))
+        fields["remakes"] = parse_remakes(fields["remakes"])  # checked by _remakes
     if "layout" in fields:
         fields["channels_last"] = _LAYOUTS[fields.pop("layout")]
     return fields
