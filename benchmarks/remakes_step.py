@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import daf
 from daf.bench.overhead import timed_step
-from daf.config import REMAKES
+from daf.config import REMAKES, parse_remakes
 from daf.workloads import get_workload
 
 
@@ -36,7 +36,7 @@ def arms_for(without: list[str]) -> dict[str, tuple[str, ...] | None]:
     """Arm name -> ``Config.remakes`` (None: fp32)."""
     arms: dict[str, tuple[str, ...] | None] = {"fp32": None, "all remakes": REMAKES}
     for left_out in without:
-        names = set(left_out.split(","))
+        names = parse_remakes(left_out)  # an unknown name is an error, not an arm equal to the default
         arms[f"without {left_out}"] = tuple(name for name in REMAKES if name not in names)
     return arms
 

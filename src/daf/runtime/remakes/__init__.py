@@ -55,10 +55,11 @@ class Remakes:
         for rule in rules:
             if not isinstance(getattr(rule, "name", None), str) or not callable(getattr(rule, "find", None)):
                 raise TypeError(f"a remake rule has a name (str) and find(tensor, op, records); got {rule!r}")
-        names = [rule.name for rule in rules]
+        names = tuple(rule.name for rule in rules)
         if len(set(names)) != len(names):
-            raise ValueError(f"remake rules need distinct names; got {names}")
+            raise ValueError(f"remake rules need distinct names; got {list(names)}")
         self.rules = tuple(rules)
+        self.names = names  # read per save (Session._bits_for): made once
 
     @classmethod
     def named(cls, names: Sequence[str]) -> "Remakes":
@@ -67,10 +68,6 @@ class Remakes:
         if unknown:
             raise ValueError(f"no remake rule named {sorted(unknown)}; the rules: {[r.name for r in DEFAULT_RULES]}")
         return cls([rule for rule in DEFAULT_RULES if rule.name in names])
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(rule.name for rule in self.rules)
 
     def find(self, tensor: torch.Tensor, op: OpCall | None, records: Records) -> Remake | None:
         """How to remake ``tensor`` from ``records`` of this forward: the first rule's answer, or None."""
