@@ -525,7 +525,8 @@ class Config:
             x1.46, first-step gradient cosine 0.885 instead of 0.980); without "attention_output" fused
             attention's output and v are stored at 8 bits (their difference is what backward takes). The
             rules and what each remakes: docs/architecture.md, "Remake rules"; their cost:
-            benchmarks/remakes_step.py, docs/transformers.md section 8.
+            benchmarks/remakes_step.py, docs/transformers.md section 8. Graphs that ``torch.compile``
+            made remake nothing whatever this says (their saves are codes; docs/integrations.md).
         floors: the fewest bits for what named torch functions save, above whatever the policy gives:
             ``{"layer_norm": 4, "scaled_dot_product_attention": 4}`` (names as ``torch.nn.functional``
             spells them; the site's op in ``daf.report``). Kept as sorted ``(name, bits)`` pairs; a
