@@ -11,7 +11,9 @@ batches (``--batches``). The configurations:
 - ``norm inputs 4``: ``daf.wrap(model, floors={"batch_norm": 4, "group_norm": 4})``: the norms' inputs at 4
   bits, each block's output remade from them;
 - ``2-bit remake``: the default with the rule taking 2-bit records as good enough (``NormBlockRule(lost_bits=0)``):
-  the most the rule can save at today's widths, and the error that costs.
+  the most the rule can save at today's widths, and the error that costs;
+- ``split``: ``daf.wrap(model, split_norm_inputs=True)``: each norm input before a ReLU split by its mask
+  (4-bit codes where it passes, group means elsewhere: ``daf.runtime.held``), the blocks remade from it.
 
     python benchmarks/block_remakes.py [--archs resnet,unet,unet-gn,convnext,resnet18] [--json FILE]
 """
@@ -41,7 +43,7 @@ from default_safety import SmallUNet, cnn_archs, gradient  # noqa: E402
 from transformer_archs import Arch, _image, archs  # noqa: E402
 
 FLOORS = {"batch_norm": 4, "group_norm": 4}
-CONFIGS = ("rule off", "default", "norm inputs 4", "2-bit remake")
+CONFIGS = ("rule off", "default", "norm inputs 4", "2-bit remake", "split")
 
 
 def _gn_silu_block(cin: int, cout: int) -> nn.Sequential:
@@ -82,7 +84,8 @@ def known_archs() -> dict[str, Arch]:
 
 
 def wrap(model: nn.Module, config: str) -> nn.Module:
-    daf.wrap(model, **({"floors": FLOORS} if config == "norm inputs 4" else {}))
+    daf.wrap(model, **({"floors": FLOORS} if config == "norm inputs 4" else {}),
+             **({"split_norm_inputs": True} if config == "split" else {}))
     session = daf.session_of(model)
     if config == "rule off":
         session.remakes = Remakes([rule for rule in DEFAULT_RULES if rule.name != "norm_block"])

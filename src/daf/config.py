@@ -527,6 +527,13 @@ class Config:
             rules and what each remakes: docs/architecture.md, "Remake rules"; their cost:
             benchmarks/remakes_step.py, docs/transformers.md section 8. Graphs that ``torch.compile``
             made remake nothing whatever this says (their saves are codes; docs/integrations.md).
+        split_norm_inputs: a batch or group norm's input that the policy gives 1 or 2 bits, and whose
+            output a ReLU reads (``relu(bn(x) [+ shortcut])``), stored split by that ReLU's mask: codes at
+            twice the width where the mask passes the gradient, one mean per group elsewhere (about the
+            bytes of the plain codes), and the next convolution's input remade from it instead of stored
+            (rule "norm_block", which must be in ``remakes``). Off by default: on resnet18-fmnist's model
+            it stores 18.1x instead of 12.6x at 0.69x the gradient error, but costs x1.2 of fp32's step
+            instead of x1.03 until its passes are fused (docs/results.md; ``daf.runtime.held``).
         floors: the fewest bits for what named torch functions save, above whatever the policy gives:
             ``{"layer_norm": 4, "scaled_dot_product_attention": 4}`` (names as ``torch.nn.functional``
             spells them; the site's op in ``daf.report``). Kept as sorted ``(name, bits)`` pairs; a
@@ -556,6 +563,7 @@ class Config:
     decommit: bool = False
     floors: tuple[tuple[str, int], ...] = ()
     remakes: tuple[str, ...] = REMAKES
+    split_norm_inputs: bool = False
     audit: Audit = field(default_factory=Audit)
     version: int = field(default=CONFIG_VERSION, repr=False)
 
@@ -585,6 +593,7 @@ class Config:
         _check_bool("Config.decommit", self.decommit)
         object.__setattr__(self, "floors", _checked_floors(self.floors))
         object.__setattr__(self, "remakes", _checked_remakes(self.remakes))
+        _check_bool("Config.split_norm_inputs", self.split_norm_inputs)
         if not isinstance(self.audit, Audit):
             raise ValueError(f"Config.audit must be a daf.Audit(...) (daf.Audit(every=0) turns it off), "
                              f"got {self.audit!r}")

@@ -19,6 +19,7 @@ native kernels are written against it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -106,6 +107,9 @@ class Packed:
     group_size: int
     exc_index: torch.Tensor | None = None
     exc_value: torch.Tensor | None = None
+    # ``bits`` over the width the policy gave the tensor: 2 for a norm input split by a ReLU mask (codes at
+    # twice the width on part of it, ``daf.codec.split``), so that demotion's ``min_bits`` means the same
+    width_scale: ClassVar[int] = 1
 
     @property
     def numel(self) -> int:

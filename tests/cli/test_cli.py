@@ -362,6 +362,15 @@ def test_layout_flag_sets_config_channels_last(tmp_path, layout, channels_last):
     assert json.loads(path.read_text())["runs"]["daf"]["config"]["channels_last"] is channels_last
 
 
+@pytest.mark.parametrize("given, split", [(None, False), ("codes", False), ("split", True)])
+def test_norm_inputs_flag_sets_config_split_norm_inputs(tmp_path, given, split):
+    path = tmp_path / "run.json"
+    flag = [] if given is None else ["--norm-inputs", given]
+    assert main(["train", "tiny-mnist", "--steps", "1", *TINY, *flag, "--no-plots", "--allocator", "system",
+                 "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["runs"]["daf"]["config"]["split_norm_inputs"] is split
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

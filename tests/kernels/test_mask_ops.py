@@ -307,6 +307,28 @@ def test_decode_nonzeros_is_one_op_for_float32_and_decode_then_scatter_otherwise
         decode_nonzeros(short, mask.encode_relu_mask(x.float()), "s7", minmax_decode)
 
 
+@settings(max_examples=80, deadline=None)
+@given(n=st.one_of(st.integers(0, 3000), st.sampled_from(LARGE[:1])), dtype=st.sampled_from(FLOATS),
+       seed=st.integers(0, 2**16), kept=st.floats(0, 1))
+def test_split_by_mask_is_the_reference(extension, n, dtype, seed, kept):
+    """A norm's input split by its ReLU mask (daf.codec.split): the kernel gives the reference's bytes."""
+    x = floats(n, dtype, seed)
+    keep = torch.rand(n, generator=torch.Generator().manual_seed(seed + 1)) < kept
+    bits = torch_bits(keep)
+    for run in (native, default):
+        got_kept, got_others = run("split_by_mask", x, bits)
+        assert torch.equal(got_kept.view(INT_VIEW[dtype]), x[keep].view(INT_VIEW[dtype]))
+        assert torch.equal(got_others.view(INT_VIEW[dtype]), x[~keep].view(INT_VIEW[dtype]))
+
+
+@pytest.mark.parametrize("run", [native, default])
+def test_split_by_mask_refuses_bad_arguments(extension, run):
+    with pytest.raises(ValueError, match="bits must be uint8"):
+        run("split_by_mask", torch.ones(1001), torch.tensor([0x55] * 125, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="flat"):
+        run("split_by_mask", torch.ones(10, 100), torch.tensor([0x55] * 125, dtype=torch.uint8))
+
+
 def test_fake_shapes(extension):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -327,6 +349,7 @@ def test_fake_shapes(extension):
     ("relu_nonzeros", lambda: (floats(1001, torch.float32, 0, 0.0).relu(),)),  # a size that depends on the data
     ("nonzeros_decode_scatter", lambda: _nonzeros_record(1001, 0.5, 2, 256, 0)[2:3]
      + (int((_nonzeros_record(1001, 0.5, 2, 256, 0)[0] > 0).sum()), 2, 256, _nonzeros_record(1001, 0.5, 2, 256, 0)[3], 1001)),
+    ("split_by_mask", lambda: (floats(1000, torch.float32, 0, 0.0), torch.tensor([0x55] * 125, dtype=torch.uint8))),
 ])
 def test_opcheck(extension, name, args):
     torch.library.opcheck(getattr(torch.ops.daf, name).default, args())

@@ -42,3 +42,39 @@ def test_two_threads_on_one_wrapped_model_get_the_gradients_of_plain_pytorch():
         thread.join(timeout=120)
     assert not errors, errors
     assert min(worst) > 0.999, worst
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 4, 1))
+
+
+def test_two_threads_splitting_norm_inputs_by_their_own_relu_masks():
+    """split_norm_inputs holds each norm's input until its ReLU (daf.runtime.held): under two threads' forwards at
+    once (torch's ops release the GIL), each record is split by its own thread's mask (a wrong one raises at
+    decode or wrecks the gradient)."""
+    plain = _cnn()
+    model = daf.wrap(_cnn(), audit=daf.Audit(every=0), split_norm_inputs=True)
+    inputs = [torch.randn(8, 3, 24, 24, generator=torch.Generator().manual_seed(i)) * (1 + 3 * i) for i in range(2)]
+    expected = [_grads(plain, x) for x in inputs]
+    barrier, worst, errors = threading.Barrier(2), [1.0, 1.0], []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(10):
+                barrier.wait()
+                got = _grads(model, inputs[i])
+                worst[i] = min(worst[i], float(torch.nn.functional.cosine_similarity(got, expected[i], dim=0)))
+        except Exception as error:
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert any(r.why.startswith("split by the ReLU mask") for r in daf.report(model).rows)
+    assert min(worst) > 0.95, worst

@@ -84,7 +84,9 @@ def _instrument(session: Any, clock: _Clock) -> None:
     session.codecs = _Proxy(codecs, {
         "encode": clock.timed(lambda name, *a, **k: f"encode[{name}]", codecs.encode),
         "decode": clock.timed(lambda packed, *a, **k: f"decode[{type(packed).__name__}]", codecs.decode),
-        "decode_nonzeros": clock.timed("decode[nonzeros]", codecs.decode_nonzeros)})
+        "decode_with_mask": clock.timed(lambda packed, *a, **k: f"decode[{type(packed).__name__}, with mask]",
+                                        codecs.decode_with_mask),
+        "encode_split": clock.timed("encode[split]", codecs.encode_split)})
     session.store = _Proxy(store, {m: clock.timed("store", getattr(store, m)) for m in ("put", "get", "release")})
     session.policy = _Proxy(policy, {m: clock.timed("policy", getattr(policy, m)) for m in _POLICY_METHODS})
     session.pack = clock.timed("pack (all)", session.pack, outer=True)

@@ -32,9 +32,11 @@ from daf.config import (ALLOWED_BITS, GENERIC_MODES, REMAKES, ROUNDINGS, Adaptiv
 __all__ = ["main", "entry", "build_parser"]
 
 _DAF_FLAGS = ("bits", "policy", "average", "generic", "codec", "budget", "group_size", "rounding", "backend", "layout",
-              "floors", "remakes")
+              "floors", "remakes", "norm_inputs")
 # --layout: how convolutions', batch norms' and ReLUs' 4-D saves come back (Config.channels_last; docs/memory.md)
 _LAYOUTS = {"channels-last": True, "as-saved": False}
+# --norm-inputs: a norm's input before a ReLU as codes, or split by the ReLU's mask (Config.split_norm_inputs)
+_NORM_INPUTS = {"codes": False, "split": True}
 # --codec NAME: the codes codec (docs/transformers.md for outliers; docs/policy.md for division)
 _CODECS = {"minmax": lambda: MinMax(), "division": lambda: Division(), "outliers": lambda: Outliers(),
            "outliers-derivatives": lambda: Outliers(derivatives=True)}
@@ -154,6 +156,9 @@ def _common(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     compress.add_argument("--remakes", type=_remakes, metavar="RULE,...|none",
                           help="the remake rules in use (default: all): saves recomputed in backward instead of "
                                "stored, from " + ", ".join(REMAKES) + " (daf.Config.remakes)")
+    compress.add_argument("--norm-inputs", dest="norm_inputs", choices=tuple(_NORM_INPUTS),
+                          help="a batch or group norm's input before a ReLU: codes (default) or split by the ReLU's "
+                               "mask, the next convolution's input remade from it (daf.Config.split_norm_inputs)")
     compress.add_argument("--budget", help="memory budget of stored activations, e.g. 512MiB")
     compress.add_argument("--group-size", type=int, dest="group_size", help="elements per min/scale group (256)")
     compress.add_argument("--rounding", choices=ROUNDINGS,
@@ -273,6 +278,8 @@ def _config_fields(parser: argparse.ArgumentParser, given: dict[str, Any]) -> di
         fields["remakes"] = parse_remakes(fields["remakes"])  # checked by _remakes
     if "layout" in fields:
         fields["channels_last"] = _LAYOUTS[fields.pop("layout")]
+    if "norm_inputs" in fields:
+        fields["split_norm_inputs"] = _NORM_INPUTS[fields.pop("norm_inputs")]
     return fields
 
 

@@ -2,7 +2,9 @@
 
 Names are what the router's ``Encoding.codec`` says: ``"codes"`` (the configured codes codec,
 MinMax, DIVISION or Outliers), ``"logprobs"`` (log_softmax's output, as codes of its probabilities),
-``"mask"`` (two-valued tensors, exact), ``"relu_mask"`` (ReLU's own save).
+``"mask"`` (two-valued tensors, exact), ``"relu_mask"`` (ReLU's own save). A norm's input split by the
+ReLU mask after it (``encode_split``) and the nonzeros of a ReLU output decode with that mask
+(``decode_with_mask``).
 Which codes codec a ``Config.codec`` means is a function registered for its type
 (``register_codes_codec``), as torchao registers a handler per config type.
 """
@@ -24,6 +26,7 @@ from daf.codec.minmax import MinMaxCodec
 from daf.codec.minmax import decode as decode_codes
 from daf.codec.nonzeros import decode_nonzeros
 from daf.codec.spec import Codec, Spec
+from daf.codec.split import SplitPacked, decode_split, encode_split, reencode_split
 from daf.config import Config, Division, MinMax, Outliers, register_config_type
 from daf.format import Packed
 
@@ -80,6 +83,7 @@ class Codecs:
         self._config = config
         self.backend = backend if backend is not None else select_backend(config.backend)
         self.codes = codes_codec(config, self.backend)
+        self._minmax = MinMaxCodec(config, self.backend)  # split records' codes: format-1 whatever the codes codec
         logprobs = LogProbCodec(self.backend, config.group_size, config.rounding)
         self._by_name: dict[str, Codec] = {"codes": self.codes, "logprobs": logprobs, "mask": MaskCodec(),
                                            "relu_mask": ReluMaskCodec()}
@@ -122,18 +126,30 @@ class Codecs:
             tensor = self._decoder_of(packed).decode(packed)
         return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
 
+    def encode_split(self, x: torch.Tensor, mask: MaskPacked, spec: Spec) -> SplitPacked | None:
+        """``x`` split by ``mask`` (the record of the ReLU mask after it): codes at ``spec.bits`` of the
+        masked-in elements, group means of the others (``daf.codec.split``)."""
+        return encode_split(x, mask, lambda flat: self._minmax.encode(flat, spec), self._config.group_size)
+
+    def decode_with_mask(self, packed: Packed, mask: MaskPacked, site: str, channels_last: bool = False) -> torch.Tensor:
+        """A record that needs the ReLU mask ``mask`` to decode: a split norm input, or a ReLU output's nonzeros."""
+        if isinstance(packed, SplitPacked):
+            tensor = decode_split(packed, mask, self._minmax.decode, site, channels_last)
+        else:
+            tensor = decode_nonzeros(packed, mask, site, self.decode)
+        layout_done = tensor.is_contiguous(memory_format=torch.channels_last)
+        return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 and not layout_done else tensor
+
     def _decoder_of(self, packed: Packed) -> Codec:
+        if isinstance(packed, SplitPacked):
+            raise TypeError("a SplitPacked record decodes with the ReLU mask it was split by: Codecs.decode_with_mask")
         for packed_type, codec in self._decoders:
             if isinstance(packed, packed_type):
                 return codec
         raise TypeError(f"DAF has no codec for a record of type {type(packed).__name__}")
 
-    def decode_nonzeros(self, packed: Packed, mask: MaskPacked, site: str, channels_last: bool = False) -> torch.Tensor:
-        """The ReLU output whose nonzeros ``packed`` holds and whose ReLU mask is ``mask``
-        (``daf.codec.nonzeros.decode_nonzeros``), channels-last as ``decode`` says."""
-        tensor = decode_nonzeros(packed, mask, site, self.decode)
-        return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
-
     def reencode(self, packed: Packed, bits: int, seed: int) -> Packed:
         """``packed`` at fewer ``bits`` (demotion), by the codec that decodes it."""
+        if isinstance(packed, SplitPacked):
+            return reencode_split(packed, lambda codes: self._minmax.reencode(codes, bits, seed))
         return self._decoder_of(packed).reencode(packed, bits, seed)

@@ -23,6 +23,8 @@ same bytes. All tensors are flat and contiguous, in memory order.
 - ``daf::nonzeros_decode_scatter(Tensor payload, SymInt count, int bits, int group_size, Tensor mask,
   SymInt numel) -> Tensor``: ``mask_scatter`` of the float32 ``format1_decode`` of ``count`` values,
   in one pass on the kernels (no compact tensor between the two)
+- ``daf::split_by_mask(Tensor x, Tensor bits) -> (Tensor kept, Tensor others)``: the elements whose bit is
+  set, then the others, each in memory order (a norm's input split by its ReLU mask, ``daf.codec.split``)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from daf.kernels.mask_reference import INT_VIEW, check_count, mask_bytes
 __all__ = ["register_native", "native_registered", "MASK_OPS"]
 
 MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_second", "mask_unpack", "mask_select", "mask_select_channels_last",
-            "relu_nonzeros", "mask_scatter", "nonzeros_decode_scatter")
+            "relu_nonzeros", "mask_scatter", "nonzeros_decode_scatter", "split_by_mask")
 _SCHEMAS = {
     "relu_mask_encode": "(Tensor x) -> Tensor",
     "mask_encode": "(Tensor x) -> Tensor",
@@ -51,6 +53,7 @@ _SCHEMAS = {
     "mask_scatter": "(Tensor values, Tensor bits, SymInt numel) -> Tensor",
     "nonzeros_decode_scatter": "(Tensor payload, SymInt count, int bits, int group_size, Tensor mask, "
                                "SymInt numel) -> Tensor",
+    "split_by_mask": "(Tensor x, Tensor bits) -> (Tensor kept, Tensor others)",
 }
 # The kernels' dtype codes for float tests on bit patterns (bindings.cpp, MaskDType).
 _FLOAT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -158,11 +161,17 @@ def _nonzeros_decode_scatter(payload: torch.Tensor, count: int, bits: int, group
     return reference.mask_scatter(values, mask, numel)
 
 
+def _split_by_mask(x: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _flat(x, "x")
+    _check_bits(bits, x.numel())
+    return reference.split_by_mask(x, bits)
+
+
 _DEFAULTS = {"relu_mask_encode": _relu_mask_encode, "mask_encode": _mask_encode, "mask_second": _mask_second,
              "mask_unpack": _mask_unpack,
              "mask_select": _mask_select, "mask_select_channels_last": _mask_select_channels_last,
              "relu_nonzeros": _relu_nonzeros, "mask_scatter": _mask_scatter,
-             "nonzeros_decode_scatter": _nonzeros_decode_scatter}
+             "nonzeros_decode_scatter": _nonzeros_decode_scatter, "split_by_mask": _split_by_mask}
 for _name, _kernel in _DEFAULTS.items():
     torch.library.register_kernel(f"daf::{_name}", "default", _kernel)
 
@@ -208,6 +217,12 @@ def _relu_nonzeros_fake(x):
 @torch.library.register_fake("daf::mask_scatter")
 def _mask_scatter_fake(values, bits, numel):
     return values.new_empty(numel)
+
+
+@torch.library.register_fake("daf::split_by_mask")
+def _split_by_mask_fake(x, bits):
+    ctx = torch.library.get_ctx()
+    return x.new_empty(ctx.new_dynamic_size()), x.new_empty(ctx.new_dynamic_size())
 
 
 @torch.library.register_fake("daf::nonzeros_decode_scatter")
@@ -324,11 +339,25 @@ def _native_kernels(ext: ModuleType) -> dict:
         check_count(set_bits, count)
         return out
 
+    def split_by_mask(x: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _flat(x, "x")
+        _check_bits(bits, x.numel())
+        if not (x.is_cpu and bits.is_cpu) or x.dtype not in INT_VIEW:
+            return _split_by_mask(x, bits)
+        x, bits, n = x.contiguous(), bits.contiguous(), x.numel()
+        count = ext.mask_count(bits.data_ptr(), n) if n else 0
+        kept, others = torch.empty(count, dtype=x.dtype), torch.empty(n - count, dtype=x.dtype)
+        if n:
+            set_bits = ext.split_by_mask(x.data_ptr(), bits.data_ptr(), n, x.element_size(), count, kept.data_ptr(),
+                                         others.data_ptr())
+            check_count(set_bits, count)
+        return kept, others
+
     return {"relu_mask_encode": relu_mask_encode, "mask_encode": mask_encode, "mask_second": mask_second,
             "mask_unpack": mask_unpack,
             "mask_select": mask_select, "mask_select_channels_last": mask_select_channels_last,
             "relu_nonzeros": relu_nonzeros, "mask_scatter": mask_scatter,
-            "nonzeros_decode_scatter": nonzeros_decode_scatter}
+            "nonzeros_decode_scatter": nonzeros_decode_scatter, "split_by_mask": split_by_mask}
 
 
 def native_registered() -> bool:

@@ -23,7 +23,7 @@ import torch
 from daf.format import MASK_INT_VIEW, mask_bytes
 
 __all__ = ["relu_mask_encode", "mask_encode", "mask_second", "mask_unpack", "mask_select", "relu_nonzeros",
-           "mask_scatter", "mask_bytes", "INT_VIEW"]
+           "mask_scatter", "split_by_mask", "mask_bytes", "INT_VIEW"]
 
 INT_VIEW = MASK_INT_VIEW
 # Elements per slice (a multiple of 8): a whole-tensor bool and its shifted copy would add up to
@@ -121,6 +121,13 @@ def mask_scatter(values: torch.Tensor, bits: torch.Tensor, numel: int) -> torch.
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
     out[positive] = values
     return out
+
+
+def split_by_mask(x: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the elements of x whose bit is set, the others), each in memory order: x [n] -> (x.dtype [count],
+    x.dtype [n - count]). O(n)."""
+    kept = mask_unpack(bits, x.numel())
+    return x[kept], x[~kept]
 
 
 def check_count(set_bits: int, count: int) -> None:

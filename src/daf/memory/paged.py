@@ -344,9 +344,9 @@ class PagedStore:
 
     def _fewest(self, record: _Record, packed: Packed) -> tuple[int, int]:
         """(bits, page bytes) of the record demoted as far as demotion goes (each step must free a page). O(1)."""
-        bits, smallest = packed.bits, self._cost(record.nbytes)
-        while self._reencode_with is not None and bits > self.min_bits:
-            fewer = max(self.min_bits, bits // 2)
+        bits, smallest, floor = packed.bits, self._cost(record.nbytes), self._floor(packed)
+        while self._reencode_with is not None and bits > floor:
+            fewer = max(floor, bits // 2)
             cost = self._cost(payload_bytes(packed.numel, fewer, packed.group_size))
             if cost >= smallest:
                 break
@@ -372,14 +372,20 @@ class PagedStore:
     def _can_demote(self, record: _Record) -> bool:
         """Whether halving the record's bits (not below min_bits) would free at least one page."""
         header = record.header
-        if self._reencode_with is None or header.bits <= self.min_bits:
+        floor = self._floor(header)
+        if self._reencode_with is None or header.bits <= floor:
             return False
-        fewer = payload_bytes(header.numel, max(self.min_bits, header.bits // 2), header.group_size)
+        fewer = payload_bytes(header.numel, max(floor, header.bits // 2), header.group_size)
         return self._cost(fewer) < self._cost(record.nbytes)
+
+    def _floor(self, packed: Packed) -> int:
+        """The fewest bits demotion takes ``packed`` to: ``min_bits`` in the record's own width (a norm input
+        split by a ReLU mask holds codes at twice the width the policy gave it: ``Packed.width_scale``)."""
+        return min(8, self.min_bits * packed.width_scale)
 
     def _reencode(self, packed: Packed) -> Packed:
         started = time.perf_counter()
-        bits = max(self.min_bits, packed.bits // 2)
+        bits = max(self._floor(packed), packed.bits // 2)
         self.counters["demotions"] += 1
         seed = zlib.crc32(struct.pack("<QQ", self._seed, self.counters["demotions"]))
         demoted = self._reencode_with(packed, bits, seed)

@@ -73,11 +73,14 @@ class Accounting:
         self._rows.append(SiteRow(site, source, tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
                                   bits, 0, stored, "compressed"))
 
-    def fill(self, row: int, site: str, stored: int, kind: str | None = None) -> None:
-        """The stored bytes of a row packed in the background, once known; or of a raw row whose tensor is
-        remade after all (``kind`` "derived": fused attention's logsumexp, once its output is remade)."""
+    def fill(self, row: int, site: str, stored: int, kind: str | None = None, why: str | None = None) -> None:
+        """The stored bytes of a row packed in the background (or held), once known; or of a raw row whose
+        tensor is remade after all (``kind`` "derived": fused attention's logsumexp, once its output is
+        remade); a held norm input split by a ReLU mask says so in ``why``."""
         if 0 <= row < len(self._rows) and self._rows[row].site == site:
-            self._rows[row] = replace(self._rows[row], stored_bytes=stored, kind=kind or self._rows[row].kind)
+            current = self._rows[row]
+            self._rows[row] = replace(current, stored_bytes=stored, kind=kind or current.kind,
+                                      why=current.why if why is None else why)
 
     def report(self, sections: dict[str, Any], forward: int | None) -> Report:
         """Figures of the last finished forward (number ``forward``)."""

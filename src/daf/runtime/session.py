@@ -6,6 +6,7 @@ lives at module level. ``pack`` and ``unpack`` are the saved-tensor hooks.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable
@@ -15,7 +16,7 @@ import torch
 
 from daf.allocator import status as allocator_status
 from daf.codec import Codecs, Spec
-from daf.config import Config
+from daf.config import Config, MinMax, Outliers
 from daf.memory import Store, make_store
 from daf.policy import Policy, make_policy
 from daf.policy.exponent_guard import HEAD_INPUT_BITS, guarded_choice
@@ -23,6 +24,7 @@ from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedAttention, DerivedProduct, DerivedStatistic
+from daf.runtime.held import SPLIT_READERS, Held, HeldInputs, keeps_held, norms_under_relu, splittable
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
 from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version
 from daf.runtime.remakes import ABSENT, LinearCalls, NormCalls, Remakes
@@ -56,6 +58,7 @@ class Session:
         self._packs = 0
         self._shared = TensorTable()  # stored tensors of this forward: a second save shares the record
         self._relu_masks = TensorTable()  # ReLU masks of this forward, for the codes of nonzeros only
+        self._held = HeldInputs()  # norm inputs waiting for the ReLU that may split them (daf.runtime.held)
         # Records of this forward by the autograd node (and output number) that made their tensor: the x of
         # a dropout product x * mask is found from the multiply's input edge. The node is kept with it, so
         # that its id cannot be reused while the entry lives.
@@ -139,6 +142,8 @@ class Session:
     def pack(self, tensor: torch.Tensor) -> Any:
         site = self.sites.next_site()
         op = self._current_op()
+        if len(self._held) and not keeps_held(op):  # no ReLU follows those norms: code them before routing reads them
+            self._store_all_held()
         context = self._context(site, tensor, op)
         self._why.reason = ""
         encoding = route(tensor, context)
@@ -147,8 +152,8 @@ class Session:
         if context.remake is not None:  # remade, or why not
             why = context.remake.why if encoding.data is context.remake else _not_remade(why, context.remake, encoding)
         row = self.accounting.add(site, tensor, encoding, stored, why)
-        if isinstance(saved, Saved) and saved.pending is not None:
-            saved.row = row  # its bytes are filled in when the background pack is collected
+        if isinstance(saved, Saved) and (saved.pending is not None or saved.ref is None):
+            saved.row = row  # its bytes are filled in when the background pack is collected (or the held input coded)
         elif isinstance(saved, DerivedStatistic):
             self._statistics[id(op)] = (op, saved, row)
         self._observe(op, encoding, site, tensor, saved)
@@ -239,13 +244,15 @@ class Session:
         return x, mask
 
     # -- what remake rules read (daf.runtime.remakes.Records) ---------------------------------
-    def record_of(self, node: Any, output_nr: int) -> "Saved | None":
+    def record_of(self, node: Any, output_nr: int, reader: str | None = None) -> "Saved | None":
         """The record stored in this forward of output ``output_nr`` of autograd node ``node``, if it
-        decodes to that tensor for every op (not derivative codes or log-probabilities)."""
+        decodes to that tensor for every op (not derivative codes or log-probabilities), or for op
+        ``reader`` (a norm, for its input split by a ReLU mask)."""
         entry = self._outputs.get((id(node), output_nr))
-        if entry is None or entry[0] is not node or entry[1].readers is not None:
+        if entry is None or entry[0] is not node:
             return None
-        return entry[1]
+        readers = entry[1].readers
+        return entry[1] if readers is None or (reader is not None and reader in readers) else None
 
     def _encode_head_input(self, head_input: "HeadInput", site: str) -> "Saved":
         """Code the head's input at ``HEAD_INPUT_BITS`` as a record of its own; its row counts the bytes
@@ -291,6 +298,8 @@ class Session:
         data = encoding.data if encoding.data is not None else tensor
         mask = context.relu_mask if encoding.kind is Kind.NONZEROS else None
         codes = encoding.kind in (Kind.CODES, Kind.NONZEROS)
+        if self._holds(encoding, tensor, op):
+            return self._hold(encoding, tensor, context, spec, importance), 0
         if codes and self.packer is not None:
             saved = Saved(self.store, None, site, Source(tensor),
                           (self.packer.submit(encoding.codec, data, spec), importance), mask)
@@ -306,6 +315,7 @@ class Session:
             self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)  # decodes to the tensor
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
+            self._split_by_relu(tensor, saved)
         elif encoding.kind is not Kind.REGION_MASK:  # a region record is its op's alone, as a ReLU mask
             # derivative codes are GELU's only; log-probabilities are -inf where a probability codes to 0
             saved.readers = self.codecs.readers(encoding.codec, data, spec)
@@ -313,6 +323,65 @@ class Session:
         if codes:
             self.policy.watch(site, data, encoding.bits, tensor.numel() if mask is not None else None)
         return saved, stored
+
+    # -- norm inputs held for the ReLU after them (daf.runtime.held) ---------------------------
+    def _holds(self, encoding: Encoding, tensor: torch.Tensor, op: OpCall | None) -> bool:
+        """Whether to hold ``tensor`` for a split (``Config.split_norm_inputs``): a norm's input coded at 1 or
+        2 bits, where the block's output may be remade from it (rule ``norm_block``), under MinMax or
+        Outliers codes (the default; DIVISION or a registered codec asked for keeps its own). Not at 4 bits
+        or more: the masked-out elements as group means cost more gradient error than such codes."""
+        return (self.config.split_norm_inputs and encoding.kind is Kind.CODES and encoding.codec == "codes"
+                and encoding.data is None and isinstance(self.config.codec, (MinMax, Outliers))
+                and encoding.bits in (1, 2) and op is not None and op.name in SPLIT_READERS
+                and tensor.grad_fn is not None and "norm_block" in self.remakes.names)
+
+    def _hold(self, encoding: Encoding, tensor: torch.Tensor, context: Context, spec: Spec, importance: float) -> Saved:
+        saved = Saved(self.store, None, context.site, Source(tensor))
+        saved.numel, saved.bits, saved.readers = tensor.numel(), encoding.bits, SPLIT_READERS
+        saved.channels_last = restores_channels_last(tensor, context.op, self.config.channels_last)
+        self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)  # the block walk's leaf
+        self.policy.watch(context.site, tensor, encoding.bits, None)
+        oldest = self._held.add(Held(saved, tensor, encoding.codec, spec, importance))
+        if oldest is not None:
+            self._store_held(oldest)
+        return saved
+
+    def _split_by_relu(self, relu_output: torch.Tensor, mask_record: Saved) -> None:
+        """Code the held norm inputs behind this ReLU split by its mask (``mask_record`` is its record)."""
+        if not len(self._held):
+            return
+        mask = None
+        for node in norms_under_relu(relu_output):
+            held = self._held.take(self.record_behind(node, "_saved_input"))
+            if held is None:
+                continue
+            if not splittable(held.tensor, relu_output):
+                self._store_held(held)
+                continue
+            mask = self.store.get(mask_record.ref) if mask is None else mask  # ReLU's bits, just stored
+            spec = dataclasses.replace(held.spec, bits=min(8, 2 * held.spec.bits))
+            packed = self.codecs.encode_split(held.tensor, mask, spec)
+            if packed is None:
+                self._store_held(held)
+                continue
+            held.saved.mask, held.saved.bits = mask_record, spec.bits
+            why = (f"split by the ReLU mask of {mask_record.site}: {spec.bits}-bit codes where it passes, "
+                   f"group means elsewhere")
+            self._put_held(held, packed, why=why)  # its row keeps the policy's width: it costs about that
+
+    def _store_all_held(self) -> None:
+        for held in self._held.take_all():
+            self._store_held(held)
+
+    def _store_held(self, held: Held) -> None:
+        """Code a held norm input no ReLU split, as it would have been at its save."""
+        held.saved.readers = None
+        self._put_held(held, self.codecs.encode(held.codec, held.tensor, held.spec))
+
+    def _put_held(self, held: Held, packed: Any, why: str | None = None) -> None:
+        saved = held.saved
+        saved.ref = self.store.put(packed, held.importance, saved.site)
+        self.accounting.fill(saved.row, saved.site, packed.nbytes, why=why)
 
     def _observe(self, op: OpCall | None, encoding: Encoding, site: str, tensor: torch.Tensor, saved: Any) -> None:
         """Tell the op's call which stored (or raw floating-point) tensors it saved: the policy
@@ -350,7 +419,7 @@ class Session:
         if saved.mask is None:
             tensor = self.codecs.decode(packed, saved.channels_last)
         else:
-            tensor = self.codecs.decode_nonzeros(packed, self.store.get(saved.mask.ref), saved.site, saved.channels_last)
+            tensor = self.codecs.decode_with_mask(packed, self.store.get(saved.mask.ref), saved.site, saved.channels_last)
         self._recent = (weakref.ref(saved, self._forget_recent), tensor)
         return saved.handed.hand(tensor)
 
@@ -371,7 +440,9 @@ class Session:
             self._recent_remade = None
 
     def _collect_pending(self) -> None:
-        """Wait for the background packs of this forward and put them into the store, in pack order."""
+        """Code the held norm inputs; wait for the background packs of this forward and put them into the
+        store, in pack order."""
+        self._store_all_held()
         pending, self._pending = self._pending, []
         for saved in pending:
             future, importance = saved.pending

@@ -104,7 +104,7 @@ class _ForwardRecords:
         for call in calls:
             self.norms.note(call)
 
-    def record_of(self, node, output_nr):
+    def record_of(self, node, output_nr, reader=None):
         return self.records.get((id(node), output_nr))
 
     def remade_output(self, node, output_nr):

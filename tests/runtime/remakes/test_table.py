@@ -146,6 +146,44 @@ def test_the_default_keeps_codes_where_a_remake_would_be_coarser_and_says_why():
     assert "nonzeros of a ReLU output" in rows["conv2#0"].why and "not remade (rule norm_block)" in rows["conv2#0"].why
 
 
+def test_a_split_norm_input_remakes_the_conv_input():
+    """With split_norm_inputs the norm's input is coded split by the ReLU mask after it (4-bit codes where the
+    mask passes, group means elsewhere: daf.runtime.held), and the conv's input is remade from it."""
+    torch.manual_seed(0)
+    model, loss = _case(Block(), (4, 8, 16, 16))
+    daf.wrap(model, audit=daf.Audit(every=0), split_norm_inputs=True)
+    loss(model).backward()
+    rows = {row.site: row for row in daf.report(model).rows}
+    assert rows["norm#0"].bits == 2 and rows["norm#0"].why.startswith("split by the ReLU mask of <root>#0: 4-bit codes")
+    assert rows["conv2#0"].kind == "derived" and rows["conv2#0"].why.startswith("norm_block: remade")
+
+
+class _ReadBetween(nn.Module):
+    """conv -> norm; a sigmoid of the norm's output saved before the ReLU: the norm's input is not held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.norm, self.conv2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.conv1(x))
+        gate = torch.sigmoid(y)
+        return self.conv2(F.relu(y)) * gate
+
+
+def test_a_norm_input_read_before_its_relu_is_not_split():
+    """With split_norm_inputs, where another op saves between the norm and its ReLU, the norm's input is
+    plain 2-bit codes (held no longer): the conv's input keeps its codes, as without the split."""
+    torch.manual_seed(0)
+    model, loss = _case(_ReadBetween(), (4, 8, 16, 16))
+    daf.wrap(model, audit=daf.Audit(every=0), split_norm_inputs=True)
+    loss(model).backward()
+    rows = {row.site: row for row in daf.report(model).rows}
+    assert rows["norm#0"].bits == 2 and rows["norm#0"].stored_bytes > 0 and not rows["norm#0"].why.startswith("split")
+    assert rows["conv2#0"].kind == "compressed" and rows["conv2#0"].bits in (2, 4)  # codes of its nonzeros
+    assert "nonzeros of a ReLU output" in rows["conv2#0"].why and "not remade (rule norm_block)" in rows["conv2#0"].why
+
+
 @pytest.mark.parametrize("rules, error", [
     ([object()], TypeError),
     ([NormBlockRule(), NormBlockRule()], ValueError),

@@ -229,6 +229,18 @@ int64_t mask_scatter(int64_t values, int64_t count, int64_t bits, int64_t n, int
   });
 }
 
+int64_t mask_count(int64_t bits, int64_t n) { return masks::count(at_address<const uint8_t>(bits), n); }
+
+// Returns the mask's count of set bits; kept and others are written only when it equals kept_count.
+int64_t split_by_mask(int64_t x, int64_t bits, int64_t n, int64_t width, int64_t kept_count, int64_t kept,
+                      int64_t others) {
+  return with_width(width, [&](auto zero) {
+    using U = decltype(zero);
+    return masks::split(at_address<const U>(x), at_address<const uint8_t>(bits), n, kept_count, at_address<U>(kept),
+                        at_address<U>(others));
+  });
+}
+
 // float32 out[n]: the `count` values of format-1 rows at `payload` where the mask bit is set, +0
 // elsewhere. Returns the mask's count of set bits; out is written only when it equals count.
 int64_t nonzeros_decode_scatter(int64_t payload, int64_t count, int64_t bits, int64_t group_size, int64_t mask,
@@ -337,6 +349,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("nonzeros_decode_scatter", &daf::nonzeros_decode_scatter,
         "a ReLU output from the codes of its nonzeros and its mask; returns the set bits",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("mask_count", &daf::mask_count, "the mask's set bits", py::call_guard<py::gil_scoped_release>());
+  m.def("split_by_mask", &daf::split_by_mask, "elements where the bit is set, then the others; returns the set bits",
         py::call_guard<py::gil_scoped_release>());
   m.def("channels_last_copy", &daf::channels_last_copy, "NCHW elements copied in NHWC order",
         py::call_guard<py::gil_scoped_release>());

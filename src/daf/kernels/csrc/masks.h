@@ -397,5 +397,36 @@ int64_t scatter(const U* values, int64_t count, const uint8_t* bits, int64_t n, 
   return count;
 }
 
+// The mask's count of set bits among its n elements (the padding bits of the last byte count not).
+inline int64_t count(const uint8_t* bits, int64_t n) { return unit_offsets(bits, n)[units(n)]; }
+
+// The elements of x whose bit is set, in memory order, to kept; the others, in memory order, to
+// others (a norm's input split by the ReLU mask after it, daf.codec.split). Branch-free: each
+// element is written at both cursors, which move on by its bit. Returns the mask's count of set
+// bits; when it is not `kept_count` nothing is written.
+template <typename U>
+int64_t split(const U* x, const uint8_t* bits, int64_t n, int64_t kept_count, U* kept, U* others) {
+  const std::vector<int64_t> offset = unit_offsets(bits, n);
+  if (offset[units(n)] != kept_count) return offset[units(n)];
+  at::parallel_for(0, units(n), kGrainUnits, [&](int64_t first, int64_t last) {
+    std::vector<U> a(kUnit), b(kUnit);
+    for (int64_t u = first; u < last; ++u) {
+      const int64_t start = u * kUnit, end = std::min(n, start + kUnit);
+      int64_t ka = 0, kb = 0;
+      for (int64_t j = start; j < end; ++j) {
+        const U v = x[j];
+        const int64_t set = (bits[j >> 3] >> (j & 7)) & 1;
+        a[ka] = v;
+        b[kb] = v;
+        ka += set;
+        kb += 1 - set;
+      }
+      std::memcpy(kept + offset[u], a.data(), ka * sizeof(U));
+      std::memcpy(others + (start - offset[u]), b.data(), kb * sizeof(U));
+    }
+  });
+  return kept_count;
+}
+
 }  // namespace masks
 }  // namespace daf

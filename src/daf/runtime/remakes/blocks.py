@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from daf.runtime.derived import DerivedActivation
+from daf.runtime.held import SPLIT_READERS
 from daf.runtime.records import Kept
 from daf.runtime.remakes.records import Records
 from daf.runtime.route import Remake
@@ -137,17 +139,19 @@ class NormBlockRule:
         node = tensor.grad_fn
         if node is None or type(node).__name__ not in _TOP or tensor.output_nr != 0:
             return None
-        walk = _Walk(records)
+        mask = records.relu_mask(tensor) if type(node).__name__ == "ReluBackward0" else None
+        walk = _Walk(records, mask)
         expression = walk.expression(node, 0, top=True)
-        mask = records.relu_mask(tensor) if isinstance(expression, _Activation) and expression.name == "relu" else None
         if mask is not None and expression is not None:
             index = walk.leaf(mask)
             expression = None if index is None else _Masked(expression.child, index.index)
         if expression is None or isinstance(expression, _Leaf):
             return None
         leaves = tuple(walk.leaves)
+        if any(_split(leaf) and not (isinstance(expression, _Masked) and leaf.mask is mask) for leaf in leaves):
+            return None  # a split record's masked-out elements are group means: only its own mask may read them
         bits = min(_bits(leaf) for leaf in leaves)  # an exact mask: 32
-        if _activated(expression):
+        if _activated(expression) and any(_loses_levels(leaf) for leaf in leaves):
             bits -= self.lost_bits
         function = functools.partial(_remade, expression=expression, shape=tuple(tensor.shape))
         sites = ", ".join(getattr(leaf, "site", "?") for leaf in leaves)
@@ -162,14 +166,15 @@ class _Walk:
     """One walk back from a saved tensor's node: the expression and its leaves (records). A record found
     ends the walk there, a remade one too (SiLU's input, remade from the norm's, is the leaf of SiLU's output)."""
 
-    def __init__(self, records: Records) -> None:
-        self.records, self.leaves, self.nodes = records, [], 0
+    def __init__(self, records: Records, mask: Any = None) -> None:
+        self.records, self.leaves, self.nodes, self.mask = records, [], 0, mask
 
-    def expression(self, node: Any, output_nr: int, top: bool = False) -> Any:
+    def expression(self, node: Any, output_nr: int, top: bool = False, reader: str | None = None) -> Any:
         if node is None:
             return None
         if not top:
-            leaf = self.records.remade_output(node, output_nr) or self.records.record_of(node, output_nr)
+            leaf = (self.records.remade_output(node, output_nr) or self.records.record_of(node, output_nr, reader)
+                    or self._split_by_mask(node, output_nr))
             if leaf is not None:
                 return self.leaf(leaf)
         self.nodes += 1
@@ -185,6 +190,14 @@ class _Walk:
         if name in ("NativeBatchNormBackward0", "NativeGroupNormBackward0"):
             return self._norm(node, groups=0 if name == "NativeBatchNormBackward0" else node._saved_group)
         return None
+
+    def _split_by_mask(self, node: Any, output_nr: int) -> Any:
+        """A norm input split by the ReLU mask this walk's expression is multiplied by (``relu(norm(x) + x)``:
+        ``x`` is read outside the norm too, where the mask zeroes its group means)."""
+        if self.mask is None:
+            return None
+        record = self.records.record_of(node, output_nr, "batch_norm") or self.records.record_of(node, output_nr, "group_norm")
+        return record if record is not None and getattr(record, "mask", None) is self.mask else None
 
     def leaf(self, record: Any) -> _Leaf | None:
         for index, known in enumerate(self.leaves):
@@ -216,7 +229,8 @@ class _Walk:
             return None  # coded statistics: not exact
         mean, rstd = (s.tensor for s in statistics)
         weight, bias = affine
-        child = self.expression(*node.next_functions[0])
+        # a norm's input split by the ReLU mask after it (daf.runtime.held) is read here, by the norm
+        child = self.expression(*node.next_functions[0], reader="batch_norm" if groups == 0 else "group_norm")
         if child is None:
             return None
         held = tuple((label, t, t._version) for label, t in
@@ -227,6 +241,19 @@ class _Walk:
 def _bits(record: Any) -> int:
     bits = getattr(record, "bits", 0)
     return bits if bits and not getattr(record, "exact", False) else 32
+
+
+def _split(record: Any) -> bool:
+    return getattr(record, "readers", None) == SPLIT_READERS
+
+
+def _loses_levels(record: Any) -> bool:
+    """Whether ReLU keeps about half of ``record``'s levels: plain codes. Not a norm input split by the ReLU
+    mask (``daf.runtime.held``: its codes span the kept elements alone), a ReLU output's nonzeros, a remade
+    save (its bits count its own loss) or an exact record."""
+    if isinstance(record, (DerivedActivation, Kept)):
+        return False
+    return getattr(record, "mask", None) is None and not getattr(record, "exact", False)
 
 
 def _activated(expression: Any) -> bool:

@@ -17,9 +17,9 @@ class Records(Protocol):
     linears: Any  # LinearCalls: linear calls of this forward, by their output's node
     norms: Any  # NormCalls: batch and group norm calls of this forward, by their output's node
 
-    def record_of(self, node: Any, output_nr: int) -> Any:
+    def record_of(self, node: Any, output_nr: int, reader: str | None = None) -> Any:
         """The record stored in this forward of output ``output_nr`` of ``node``, if it decodes to that
-        tensor for every op (codes read by all, not an exact mask); else None."""
+        tensor for every op (codes read by all, not an exact mask) or for op ``reader``; else None."""
 
     def remade_output(self, node: Any, output_nr: int) -> Any:
         """The remade save of this forward of output ``output_nr`` of ``node``, else None."""

@@ -1,0 +1,138 @@
+"""A norm's input split by the ReLU mask that follows it: codes of the elements where the mask passes the
+gradient, one mean per group of the others.
+
+In ``relu(norm(x) [+ shortcut])`` the gradient reaching the norm is zero wherever ReLU's mask is. The norm's
+backward then reads ``x`` at those elements only through sums over the whole batch (or group) and one
+term per element that a per-group mean carries well: the elements that matter are the mask's. So ``x``
+is stored as format-1 codes of its masked-in elements at twice the width plain codes would have, plus
+one float32 mean per ``group_size`` of the rest (the C++ kernels ``daf::split_by_mask``,
+``daf::nonzeros_decode_scatter`` and ``daf::mask_scatter`` on a CPU, their plain-PyTorch reference
+elsewhere: same results); with about half the elements on each side that costs
+what plain codes of the whole tensor cost, and the next convolution's input (remade from ``x`` by rule
+``norm_block``) gets four times the levels. The mask is not stored again: ReLU's own 1-bit record
+(``mask``, a ``MaskPacked`` in ``x``'s memory order) is read at encode and at decode. Measured: docs/results.md.
+
+A ``SplitPacked`` is the masked-in elements' ``Packed`` (shape ``(count,)``: what the store pages, spills
+and demotes) with what restores ``x`` beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from daf.codec.mask import MaskPacked, _ops
+from daf.format import Packed, flatten_memory_order, restore_memory_order
+
+__all__ = ["SplitPacked", "split_means", "encode_split", "decode_split", "reencode_split"]
+
+
+@dataclass
+class SplitPacked(Packed):
+    """Codes of ``x``'s masked-in elements (this ``Packed``'s own fields) and ``negative_means`` float32
+    [ceil(others / group_size)], the mean of each run of ``group_size`` other elements in memory order;
+    ``full_shape``, ``full_order``: ``x``'s shape and strides order."""
+
+    full_shape: tuple[int, ...] = ()
+    full_order: tuple[int, ...] = ()
+    negative_means: torch.Tensor | None = None
+    width_scale: ClassVar[int] = 2  # codes at twice the policy's width: demotion's min_bits counts half
+
+    @property
+    def full_numel(self) -> int:
+        n = 1
+        for s in self.full_shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + (self.negative_means.nbytes if self.negative_means is not None else 0)
+
+
+def split_means(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The mean of each run of ``group_size`` elements of 1-D ``values`` (the last run may be shorter),
+    in float32. O(numel)."""
+    n = values.numel()
+    groups = -(-n // group_size)
+    padded = values.new_zeros(groups * group_size, dtype=torch.float32)
+    padded[:n] = values
+    counts = torch.full((groups,), float(group_size), device=values.device)
+    if n % group_size:
+        counts[-1] = n % group_size
+    return padded.view(groups, group_size).sum(1) / counts
+
+
+def encode_split(x: torch.Tensor, mask: MaskPacked, encode_flat: Callable[[torch.Tensor], Packed],
+                 group_size: int) -> SplitPacked | None:
+    """``x`` split by ``mask`` (a ReLU mask record of ``x``'s shape, in its memory order): ``encode_flat``
+    codes the masked-in elements (a 1-D tensor). None when the other elements' means are not finite (an
+    infinite element there): plain codes keep such a tensor (as exceptions). O(numel): one pass splits
+    (``daf::split_by_mask``)."""
+    flat, order = flatten_memory_order(x.detach())
+    if tuple(mask.shape) != tuple(x.shape) or tuple(mask.order) != order:
+        raise ValueError(f"encode_split takes a mask of x's shape {list(x.shape)} and memory order {list(order)}; "
+                         f"got {list(mask.shape)}, {list(mask.order)}")
+    kept, others = _ops().split_by_mask(flat, mask.payload)
+    means = split_means(others, group_size)
+    if not bool(torch.isfinite(means).all()):
+        return None
+    inner = encode_flat(kept)
+    fields = {name: getattr(inner, name) for name in ("payload", "shape", "order", "dtype", "bits", "group_size",
+                                                       "exc_index", "exc_value")}
+    return SplitPacked(**fields, full_shape=tuple(x.shape), full_order=order, negative_means=means)
+
+
+def decode_split(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor], site: str,
+                 channels_last: bool = False) -> torch.Tensor:
+    """The tensor ``packed`` holds: decoded codes where ``mask`` is set, the group means elsewhere; same shape
+    and strides order, or channels-last when ``channels_last`` and it is a contiguous 4-D tensor's (written in
+    that layout by the pass that joins the two sides). Raises ``RuntimeError`` naming ``site`` when the mask
+    does not match the record (never returns wrong data). O(numel): the codes decoded into place where the
+    mask is set (``daf::nonzeros_decode_scatter`` for float32 codes), the means into place elsewhere
+    (``daf::mask_scatter`` by the inverted bits), one add."""
+    n = packed.full_numel
+    if mask.numel != n:
+        raise RuntimeError(f"DAF: the record of site {site} holds {n} elements but the ReLU mask it was split by has "
+                           f"{mask.numel}; refusing to return wrong data")
+    others = n - packed.numel
+    try:
+        kept = _kept_in_place(packed, mask, decode_flat)
+        means = packed.negative_means.to(packed.dtype).repeat_interleave(packed.group_size)[:others]
+        rest = _ops().mask_scatter(means, _inverted(mask.payload, n), n)
+    except ValueError as error:
+        raise RuntimeError(f"DAF: the record of site {site} holds {packed.numel} of {n} elements as codes but the "
+                           f"ReLU mask it was split by disagrees ({error}); refusing to return wrong data") from error
+    shape, order = packed.full_shape, packed.full_order
+    if channels_last and len(shape) == 4 and order == (0, 1, 2, 3):
+        out = torch.empty(shape, dtype=packed.dtype, device=rest.device, memory_format=torch.channels_last)
+        return torch.add(kept.view(shape), rest.view(shape), out=out)
+    return restore_memory_order(kept.add_(rest), shape, order)
+
+
+def _kept_in_place(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor]) -> torch.Tensor:
+    """The decoded codes where the mask is set, +0 elsewhere: flat [numel]."""
+    exceptions = packed.exc_index is not None and packed.exc_index.numel() > 0
+    if packed.dtype == torch.float32 and not exceptions:
+        return _ops().nonzeros_decode_scatter(packed.payload.reshape(-1), packed.numel, packed.bits, packed.group_size,
+                                              mask.payload, mask.numel)
+    return _ops().mask_scatter(decode_flat(packed).reshape(-1), mask.payload, mask.numel)
+
+
+def _inverted(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """The mask's bits flipped, the last byte's padding bits left clear."""
+    inverted = torch.bitwise_not(bits)
+    if numel % 8:
+        inverted[-1] &= (1 << (numel % 8)) - 1
+    return inverted
+
+
+def reencode_split(packed: SplitPacked, reencode: Callable[[Packed], Packed]) -> SplitPacked:
+    """``packed`` with its codes re-coded by ``reencode`` (demotion to fewer bits); the means as they are."""
+    inner = reencode(Packed(packed.payload, packed.shape, packed.order, packed.dtype, packed.bits, packed.group_size,
+                            packed.exc_index, packed.exc_value))
+    return SplitPacked(inner.payload, inner.shape, inner.order, inner.dtype, inner.bits, inner.group_size,
+                       inner.exc_index, inner.exc_value, packed.full_shape, packed.full_order, packed.negative_means)
