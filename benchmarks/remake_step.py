@@ -6,7 +6,8 @@ Variants, interleaved step by step in one process so that a change in machine lo
 (figures: medians after warm-up): ``fp32``; ``rule off`` (``daf.wrap(model)`` without the rule: each
 block's output coded, as before the rule); ``default`` (``daf.wrap(model)``: the rule asked for every
 block's output, which keeps its codes at 2 bits); ``norm inputs 4`` (``floors={"batch_norm": 4}``: each
-block's output remade in backward, a batch norm and ReLU recomputed per conv input).
+block's output remade in backward, a batch norm and ReLU recomputed per conv input); ``split``
+(``split_norm_inputs=True``: each norm input before a ReLU split by its mask, the blocks remade from it).
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from daf.runtime.remakes import DEFAULT_RULES, Remakes
 from daf.workloads.resnet import ResNet18
 from resnet_step import sgd_step  # the sibling script: python puts benchmarks/ on the path
 
-VARIANTS = ("fp32", "rule off", "default", "norm inputs 4")
+VARIANTS = ("fp32", "rule off", "default", "norm inputs 4", "split")
 
 
 def make_step(variant: str, batch: int) -> tuple[Callable[[], None], torch.nn.Module]:
     torch.manual_seed(0)
     model = ResNet18()
     if variant != "fp32":
-        daf.wrap(model, **({"floors": {"batch_norm": 4}} if variant == "norm inputs 4" else {}))
+        daf.wrap(model, **({"floors": {"batch_norm": 4}} if variant == "norm inputs 4" else {}),
+                 **({"split_norm_inputs": True} if variant == "split" else {}))
         if variant == "rule off":
             daf.session_of(model).remakes = Remakes([r for r in DEFAULT_RULES if r.name != "norm_block"])
     return sgd_step(model, batch), model

@@ -134,11 +134,10 @@ class Codecs:
     def decode_with_mask(self, packed: Packed, mask: MaskPacked, site: str, channels_last: bool = False) -> torch.Tensor:
         """A record that needs the ReLU mask ``mask`` to decode: a split norm input, or a ReLU output's nonzeros."""
         if isinstance(packed, SplitPacked):
-            tensor = decode_split(packed, mask, self._minmax.decode, site, channels_last)
+            tensor = decode_split(packed, mask, self._minmax.decode, site)
         else:
             tensor = decode_nonzeros(packed, mask, site, self.decode)
-        layout_done = tensor.is_contiguous(memory_format=torch.channels_last)
-        return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 and not layout_done else tensor
+        return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
 
     def _decoder_of(self, packed: Packed) -> Codec:
         if isinstance(packed, SplitPacked):

@@ -86,11 +86,10 @@ def encode_split(x: torch.Tensor, mask: MaskPacked, encode_flat: Callable[[torch
     return SplitPacked(**fields, full_shape=tuple(x.shape), full_order=order, negative_means=means)
 
 
-def decode_split(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor], site: str,
-                 channels_last: bool = False) -> torch.Tensor:
+def decode_split(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor],
+                 site: str) -> torch.Tensor:
     """The tensor ``packed`` holds: decoded codes where ``mask`` is set, the group means elsewhere; same shape
-    and strides order, or channels-last when ``channels_last`` and it is a contiguous 4-D tensor's (written in
-    that layout by the pass that joins the two sides). Raises ``RuntimeError`` naming ``site`` when the mask
+    and strides order. Raises ``RuntimeError`` naming ``site`` when the mask
     does not match the record (never returns wrong data). O(numel): the codes decoded into place where the
     mask is set (``daf::nonzeros_decode_scatter`` for float32 codes), the means into place elsewhere
     (``daf::mask_scatter`` by the inverted bits), one add."""
@@ -106,11 +105,7 @@ def decode_split(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[P
     except ValueError as error:
         raise RuntimeError(f"DAF: the record of site {site} holds {packed.numel} of {n} elements as codes but the "
                            f"ReLU mask it was split by disagrees ({error}); refusing to return wrong data") from error
-    shape, order = packed.full_shape, packed.full_order
-    if channels_last and len(shape) == 4 and order == (0, 1, 2, 3):
-        out = torch.empty(shape, dtype=packed.dtype, device=rest.device, memory_format=torch.channels_last)
-        return torch.add(kept.view(shape), rest.view(shape), out=out)
-    return restore_memory_order(kept.add_(rest), shape, order)
+    return restore_memory_order(kept.add_(rest), packed.full_shape, packed.full_order)
 
 
 def _kept_in_place(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor]) -> torch.Tensor:
