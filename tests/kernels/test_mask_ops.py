@@ -9,6 +9,8 @@ from daf.codec import mask
 from daf.codec.nonzeros import nonzeros_of, scatter_nonzeros
 from daf.kernels import mask_ops, mask_reference
 from daf.kernels.mask_reference import INT_VIEW
+from daf.codec.minmax import encode as minmax_encode
+from daf.kernels import reference as format_reference
 
 DEFAULT = torch._C.DispatchKey.CompositeExplicitAutograd
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -329,6 +331,35 @@ def test_split_by_mask_refuses_bad_arguments(extension, run):
         run("split_by_mask", torch.ones(10, 100), torch.tensor([0x55] * 125, dtype=torch.uint8))
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.one_of(st.integers(0, 3000), st.sampled_from(LARGE[:1])), kept=st.floats(0, 1),
+       bits=st.sampled_from([1, 2, 4, 8]), group_size=st.sampled_from([16, 64, 256]), seed=st.integers(0, 2**16))
+def test_split_decode_is_decode_then_join(extension, n, kept, bits, group_size, seed):
+    """A split record in one pass: the codes decoded where the bit is set, each other element its run's mean."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(n, generator=g) < kept
+    count = int(keep.sum())
+    payload = minmax_encode(torch.randn(count, generator=g), bits=bits, group_size=group_size).payload.reshape(-1)
+    others = n - count
+    means = torch.randn(-(-others // group_size), generator=g)
+    expected = torch.empty(n)
+    expected[keep] = format_reference.decode_flat(payload, count, bits, group_size, torch.float32, None, None)
+    expected[~keep] = means.repeat_interleave(group_size)[:others]
+    mask_bits = torch_bits(keep)
+    for run in (native, default):
+        assert torch.equal(run("split_decode", payload, count, bits, group_size, means, mask_bits, n), expected)
+
+
+@pytest.mark.parametrize("run", [native, default])
+def test_split_decode_refuses_a_mask_that_disagrees_and_bad_means(extension, run):
+    bits = torch.tensor([0x55] * 125, dtype=torch.uint8)  # 500 set of 1000
+    payload = minmax_encode(torch.randn(499), bits=4, group_size=256).payload.reshape(-1)
+    with pytest.raises(ValueError, match="the mask has 500 set bits for 499 values"):
+        run("split_decode", payload, 499, 4, 256, torch.zeros(2), bits, 1000)
+    with pytest.raises(ValueError, match=r"means must be float32 \[2\]"):
+        run("split_decode", payload, 499, 4, 256, torch.zeros(3), bits, 1000)
+
+
 def test_fake_shapes(extension):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -350,6 +381,8 @@ def test_fake_shapes(extension):
     ("nonzeros_decode_scatter", lambda: _nonzeros_record(1001, 0.5, 2, 256, 0)[2:3]
      + (int((_nonzeros_record(1001, 0.5, 2, 256, 0)[0] > 0).sum()), 2, 256, _nonzeros_record(1001, 0.5, 2, 256, 0)[3], 1001)),
     ("split_by_mask", lambda: (floats(1000, torch.float32, 0, 0.0), torch.tensor([0x55] * 125, dtype=torch.uint8))),
+    ("split_decode", lambda: (minmax_encode(torch.randn(500), bits=4, group_size=256).payload.reshape(-1), 500, 4, 256,
+                              torch.zeros(2), torch.tensor([0x55] * 125, dtype=torch.uint8), 1000)),
 ])
 def test_opcheck(extension, name, args):
     torch.library.opcheck(getattr(torch.ops.daf, name).default, args())

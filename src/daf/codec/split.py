@@ -5,9 +5,8 @@ In ``relu(norm(x) [+ shortcut])`` the gradient reaching the norm is zero whereve
 backward then reads ``x`` at those elements only through sums over the whole batch (or group) and one
 term per element that a per-group mean carries well: the elements that matter are the mask's. So ``x``
 is stored as format-1 codes of its masked-in elements at twice the width plain codes would have, plus
-one float32 mean per ``group_size`` of the rest (the C++ kernels ``daf::split_by_mask``,
-``daf::nonzeros_decode_scatter`` and ``daf::mask_scatter`` on a CPU, their plain-PyTorch reference
-elsewhere: same results); with about half the elements on each side that costs
+one float32 mean per ``group_size`` of the rest (the C++ kernels ``daf::split_by_mask`` and
+``daf::split_decode`` on a CPU, their plain-PyTorch reference elsewhere: same results); with about half the elements on each side that costs
 what plain codes of the whole tensor cost, and the next convolution's input (remade from ``x`` by rule
 ``norm_block``) gets four times the levels. The mask is not stored again: ReLU's own 1-bit record
 (``mask``, a ``MaskPacked`` in ``x``'s memory order) is read at encode and at decode. Measured: docs/results.md.
@@ -89,32 +88,31 @@ def encode_split(x: torch.Tensor, mask: MaskPacked, encode_flat: Callable[[torch
 def decode_split(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor],
                  site: str) -> torch.Tensor:
     """The tensor ``packed`` holds: decoded codes where ``mask`` is set, the group means elsewhere; same shape
-    and strides order. Raises ``RuntimeError`` naming ``site`` when the mask
-    does not match the record (never returns wrong data). O(numel): the codes decoded into place where the
-    mask is set (``daf::nonzeros_decode_scatter`` for float32 codes), the means into place elsewhere
-    (``daf::mask_scatter`` by the inverted bits), one add."""
+    and strides order. Raises ``RuntimeError`` naming ``site`` when the mask does not match the record
+    (never returns wrong data). O(numel): one pass for float32 codes (``daf::split_decode``)."""
     n = packed.full_numel
     if mask.numel != n:
         raise RuntimeError(f"DAF: the record of site {site} holds {n} elements but the ReLU mask it was split by has "
                            f"{mask.numel}; refusing to return wrong data")
-    others = n - packed.numel
     try:
-        kept = _kept_in_place(packed, mask, decode_flat)
-        means = packed.negative_means.to(packed.dtype).repeat_interleave(packed.group_size)[:others]
-        rest = _ops().mask_scatter(means, _inverted(mask.payload, n), n)
+        flat = _joined(packed, mask, decode_flat)
     except ValueError as error:
         raise RuntimeError(f"DAF: the record of site {site} holds {packed.numel} of {n} elements as codes but the "
                            f"ReLU mask it was split by disagrees ({error}); refusing to return wrong data") from error
-    return restore_memory_order(kept.add_(rest), packed.full_shape, packed.full_order)
+    return restore_memory_order(flat, packed.full_shape, packed.full_order)
 
 
-def _kept_in_place(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor]) -> torch.Tensor:
-    """The decoded codes where the mask is set, +0 elsewhere: flat [numel]."""
+def _joined(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor]) -> torch.Tensor:
+    """The record flat, in memory order: float32 codes without exceptions in one pass (``daf::split_decode``);
+    any other record decoded, its values put in place, the means beside them."""
     exceptions = packed.exc_index is not None and packed.exc_index.numel() > 0
     if packed.dtype == torch.float32 and not exceptions:
-        return _ops().nonzeros_decode_scatter(packed.payload.reshape(-1), packed.numel, packed.bits, packed.group_size,
-                                              mask.payload, mask.numel)
-    return _ops().mask_scatter(decode_flat(packed).reshape(-1), mask.payload, mask.numel)
+        return _ops().split_decode(packed.payload.reshape(-1), packed.numel, packed.bits, packed.group_size,
+                                   packed.negative_means, mask.payload, mask.numel)
+    n = packed.full_numel
+    kept = _ops().mask_scatter(decode_flat(packed).reshape(-1), mask.payload, n)
+    means = packed.negative_means.to(packed.dtype).repeat_interleave(packed.group_size)[:n - packed.numel]
+    return kept.add_(_ops().mask_scatter(means, _inverted(mask.payload, n), n))
 
 
 def _inverted(bits: torch.Tensor, numel: int) -> torch.Tensor:

@@ -25,6 +25,9 @@ same bytes. All tensors are flat and contiguous, in memory order.
   in one pass on the kernels (no compact tensor between the two)
 - ``daf::split_by_mask(Tensor x, Tensor bits) -> (Tensor kept, Tensor others)``: the elements whose bit is
   set, then the others, each in memory order (a norm's input split by its ReLU mask, ``daf.codec.split``)
+- ``daf::split_decode(Tensor payload, SymInt count, int bits, int group_size, Tensor means, Tensor mask,
+  SymInt numel) -> Tensor``: float32 [numel], ``nonzeros_decode_scatter``'s values where the bit is set and
+  elsewhere the float32 mean of each run of ``group_size`` others: a split record back, one pass
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from daf.kernels.mask_reference import INT_VIEW, check_count, mask_bytes
 __all__ = ["register_native", "native_registered", "MASK_OPS"]
 
 MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_second", "mask_unpack", "mask_select", "mask_select_channels_last",
-            "relu_nonzeros", "mask_scatter", "nonzeros_decode_scatter", "split_by_mask")
+            "relu_nonzeros", "mask_scatter", "nonzeros_decode_scatter", "split_by_mask", "split_decode")
 _SCHEMAS = {
     "relu_mask_encode": "(Tensor x) -> Tensor",
     "mask_encode": "(Tensor x) -> Tensor",
@@ -54,6 +57,8 @@ _SCHEMAS = {
     "nonzeros_decode_scatter": "(Tensor payload, SymInt count, int bits, int group_size, Tensor mask, "
                                "SymInt numel) -> Tensor",
     "split_by_mask": "(Tensor x, Tensor bits) -> (Tensor kept, Tensor others)",
+    "split_decode": "(Tensor payload, SymInt count, int bits, int group_size, Tensor means, Tensor mask, "
+                    "SymInt numel) -> Tensor",
 }
 # The kernels' dtype codes for float tests on bit patterns (bindings.cpp, MaskDType).
 _FLOAT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -167,11 +172,30 @@ def _split_by_mask(x: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, t
     return reference.split_by_mask(x, bits)
 
 
+def _check_split_decode(payload: torch.Tensor, count: int, bits: int, group_size: int, means: torch.Tensor,
+                        mask: torch.Tensor, numel: int) -> None:
+    _check_payload(payload, count, bits, group_size)
+    _check_bits(mask, numel)
+    _flat(means, "means")
+    others = max(numel - count, 0)
+    if means.dtype != torch.float32 or means.numel() != -(-others // group_size):
+        raise ValueError(f"means must be float32 [{-(-others // group_size)}] ({others} others in runs of "
+                         f"{group_size}), got {means.dtype} [{means.numel()}]")
+
+
+def _split_decode(payload: torch.Tensor, count: int, bits: int, group_size: int, means: torch.Tensor,
+                  mask: torch.Tensor, numel: int) -> torch.Tensor:
+    _check_split_decode(payload, count, bits, group_size, means, mask, numel)
+    values = format_reference.decode_flat(payload, count, bits, group_size, torch.float32, None, None)
+    return reference.split_join(values, means, group_size, mask, numel)
+
+
 _DEFAULTS = {"relu_mask_encode": _relu_mask_encode, "mask_encode": _mask_encode, "mask_second": _mask_second,
              "mask_unpack": _mask_unpack,
              "mask_select": _mask_select, "mask_select_channels_last": _mask_select_channels_last,
              "relu_nonzeros": _relu_nonzeros, "mask_scatter": _mask_scatter,
-             "nonzeros_decode_scatter": _nonzeros_decode_scatter, "split_by_mask": _split_by_mask}
+             "nonzeros_decode_scatter": _nonzeros_decode_scatter, "split_by_mask": _split_by_mask,
+             "split_decode": _split_decode}
 for _name, _kernel in _DEFAULTS.items():
     torch.library.register_kernel(f"daf::{_name}", "default", _kernel)
 
@@ -223,6 +247,11 @@ def _mask_scatter_fake(values, bits, numel):
 def _split_by_mask_fake(x, bits):
     ctx = torch.library.get_ctx()
     return x.new_empty(ctx.new_dynamic_size()), x.new_empty(ctx.new_dynamic_size())
+
+
+@torch.library.register_fake("daf::split_decode")
+def _split_decode_fake(payload, count, bits, group_size, means, mask, numel):
+    return payload.new_empty(numel, dtype=torch.float32)
 
 
 @torch.library.register_fake("daf::nonzeros_decode_scatter")
@@ -353,11 +382,24 @@ def _native_kernels(ext: ModuleType) -> dict:
             check_count(set_bits, count)
         return kept, others
 
+    def split_decode(payload: torch.Tensor, count: int, bits: int, group_size: int, means: torch.Tensor,
+                     mask: torch.Tensor, numel: int) -> torch.Tensor:
+        _check_split_decode(payload, count, bits, group_size, means, mask, numel)
+        if not (payload.is_cpu and mask.is_cpu and means.is_cpu):
+            return _split_decode(payload, count, bits, group_size, means, mask, numel)
+        out = torch.empty(numel, dtype=torch.float32)
+        means = means.contiguous()
+        set_bits = ext.split_decode(payload.contiguous().data_ptr(), count, bits, group_size, means.data_ptr(),
+                                    mask.contiguous().data_ptr(), numel, out.data_ptr()) if numel else 0
+        check_count(set_bits, count)
+        return out
+
     return {"relu_mask_encode": relu_mask_encode, "mask_encode": mask_encode, "mask_second": mask_second,
             "mask_unpack": mask_unpack,
             "mask_select": mask_select, "mask_select_channels_last": mask_select_channels_last,
             "relu_nonzeros": relu_nonzeros, "mask_scatter": mask_scatter,
-            "nonzeros_decode_scatter": nonzeros_decode_scatter, "split_by_mask": split_by_mask}
+            "nonzeros_decode_scatter": nonzeros_decode_scatter, "split_by_mask": split_by_mask,
+            "split_decode": split_decode}
 
 
 def native_registered() -> bool:

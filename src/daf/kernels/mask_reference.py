@@ -23,7 +23,7 @@ import torch
 from daf.format import MASK_INT_VIEW, mask_bytes
 
 __all__ = ["relu_mask_encode", "mask_encode", "mask_second", "mask_unpack", "mask_select", "relu_nonzeros",
-           "mask_scatter", "split_by_mask", "mask_bytes", "INT_VIEW"]
+           "mask_scatter", "split_by_mask", "split_join", "mask_bytes", "INT_VIEW"]
 
 INT_VIEW = MASK_INT_VIEW
 # Elements per slice (a multiple of 8): a whole-tensor bool and its shifted copy would add up to
@@ -128,6 +128,18 @@ def split_by_mask(x: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, to
     x.dtype [n - count]). O(n)."""
     kept = mask_unpack(bits, x.numel())
     return x[kept], x[~kept]
+
+
+def split_join(kept: torch.Tensor, means: torch.Tensor, group_size: int, bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """The inverse of ``split_by_mask`` with the others given as the means of their runs of ``group_size``:
+    kept [count] where the bit is set, ``means[i // group_size]`` at the i-th other element -> kept.dtype
+    [numel]. ValueError when the mask does not have exactly ``count`` set bits (never wrong data). O(numel)."""
+    mask = mask_unpack(bits, numel)
+    check_count(int(mask.sum()), kept.numel())
+    out = torch.empty(numel, dtype=kept.dtype, device=kept.device)
+    out[mask] = kept
+    out[~mask] = means.to(kept.dtype).repeat_interleave(group_size)[:numel - kept.numel()]
+    return out
 
 
 def check_count(set_bits: int, count: int) -> None:

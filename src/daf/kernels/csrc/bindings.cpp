@@ -258,6 +258,26 @@ int64_t nonzeros_decode_scatter(int64_t payload, int64_t count, int64_t bits, in
   throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(bits));
 }
 
+// float32 out[n]: nonzeros_decode_scatter's values where the mask bit is set, and elsewhere the mean of
+// each run of group_size others (`means`): a norm input split by its ReLU mask, decoded in one pass.
+int64_t split_decode(int64_t payload, int64_t count, int64_t bits, int64_t group_size, int64_t means, int64_t mask,
+                     int64_t n, int64_t out) {
+  Layout layout = checked_layout(count, bits, group_size);
+  if (group_size & (group_size - 1)) throw std::invalid_argument("group_size must be a power of two");
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(payload);
+  const uint8_t* mask_bits = reinterpret_cast<const uint8_t*>(mask);
+  const float* run_means = reinterpret_cast<const float*>(means);
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(group_size));
+  float* dst = reinterpret_cast<float*>(out);
+  switch (bits) {
+    case 1: return nonzeros::decode_scatter<1>(src, layout, mask_bits, n, dst, run_means, shift);
+    case 2: return nonzeros::decode_scatter<2>(src, layout, mask_bits, n, dst, run_means, shift);
+    case 4: return nonzeros::decode_scatter<4>(src, layout, mask_bits, n, dst, run_means, shift);
+    case 8: return nonzeros::decode_scatter<8>(src, layout, mask_bits, n, dst, run_means, shift);
+  }
+  throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(bits));
+}
+
 // x: n * c * hw contiguous elements of `width` bytes (NCHW); out: the same count, written NHWC.
 void channels_last_copy(int64_t x, int64_t n, int64_t c, int64_t hw, int64_t width, int64_t out) {
   if (n < 0 || c < 0 || hw < 0) throw std::invalid_argument("sizes must be >= 0");
@@ -352,6 +372,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("mask_count", &daf::mask_count, "the mask's set bits", py::call_guard<py::gil_scoped_release>());
   m.def("split_by_mask", &daf::split_by_mask, "elements where the bit is set, then the others; returns the set bits",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("split_decode", &daf::split_decode,
+        "a norm input split by its ReLU mask: codes where the bit is set, group means elsewhere; returns the set bits",
         py::call_guard<py::gil_scoped_release>());
   m.def("channels_last_copy", &daf::channels_last_copy, "NCHW elements copied in NHWC order",
         py::call_guard<py::gil_scoped_release>());

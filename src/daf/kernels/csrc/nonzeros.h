@@ -32,10 +32,12 @@ inline int64_t decode_range(const uint8_t* payload, Layout layout, int64_t first
   return first - start;
 }
 
-// out[j] = the next of the layout.numel decoded values where bit j of the mask is set, +0 elsewhere.
+// out[j] = the next of the layout.numel decoded values where bit j of the mask is set; elsewhere +0, or
+// with `means` (a norm input split by its ReLU mask, daf.codec.split) means[(others before j) >> mean_shift].
 // Returns the mask's count of set bits; when it is not layout.numel nothing is written.
 template <int BITS>
-int64_t decode_scatter(const uint8_t* payload, Layout layout, const uint8_t* bits, int64_t n, float* out) {
+int64_t decode_scatter(const uint8_t* payload, Layout layout, const uint8_t* bits, int64_t n, float* out,
+                       const float* means = nullptr, int mean_shift = 0) {
   using masks::kUnit;
   using masks::units;
   const int64_t count = layout.numel;
@@ -50,19 +52,27 @@ int64_t decode_scatter(const uint8_t* payload, Layout layout, const uint8_t* bit
       if (k1 > k0) values += decode_range<BITS>(payload, layout, k0, k1, buf.data());
       const int64_t top = std::max<int64_t>(k1 - k0 - 1, 0);
       uint32_t* dst = reinterpret_cast<uint32_t*>(out);
-      int64_t k = 0;
+      int64_t k = 0, other = u * kUnit - k0;  // the others before this unit
       for (int64_t j = u * kUnit; j < end; j += 8) {
         const int m = static_cast<int>(std::min<int64_t>(8, end - j));
         const uint8_t b = static_cast<uint8_t>(bits[j / 8] & ((1u << m) - 1u));  // the padding's bits: not ours
+        bool written = false;
 #ifdef DAF_MASKS_AVX2
         if (m == 8) {  // lanes past the unit's last value read the buffer's room and are cleared
           masks::expand8(values, k, b, dst + j);
-          k += __builtin_popcount(b);
-          continue;
+          written = true;
         }
 #endif
-        masks::scatter8(values, k, top, b, m, dst + j);
-        k += __builtin_popcount(b);
+        if (!written) masks::scatter8(values, k, top, b, m, dst + j);
+        const int set = __builtin_popcount(b);
+        if (means != nullptr) {
+          for (unsigned rest = ~static_cast<unsigned>(b) & ((1u << m) - 1u); rest; rest &= rest - 1) {
+            const int i = __builtin_ctz(rest);
+            out[j + i] = means[(other + i - masks::kRank.r[b][i]) >> mean_shift];
+          }
+          other += m - set;
+        }
+        k += set;
       }
     }
   });
