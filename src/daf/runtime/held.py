@@ -15,14 +15,16 @@ elements back as group means; the gradient audit (``daf.runtime.audit``) measure
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from daf.codec import Spec
+from daf.codec import Codecs, Spec
 from daf.format import dense_order
+from daf.memory import Store
+from daf.runtime.accounting import Accounting
 from daf.runtime.records import Saved
 
 __all__ = ["Held", "HeldInputs", "MOST_HELD", "NORM_NODES", "SPLIT_READERS", "keeps_held", "norms_under_relu",
@@ -35,7 +37,7 @@ SPLIT_READERS = frozenset({"batch_norm", "group_norm"})  # ops that may read a s
 _BETWEEN = frozenset({*SPLIT_READERS, "conv1d", "conv2d", "conv3d"})
 
 
-@dataclass(eq=False)
+@dataclasses.dataclass(eq=False)
 class Held:
     """A norm input waiting for its ReLU: the record handed to autograd, the tensor, how it is coded plainly
     (``codec``, ``spec``), its importance and report row."""
@@ -49,34 +51,71 @@ class Held:
 
 
 class HeldInputs:
-    """The held norm inputs of the forwards in progress, oldest first. Thread-safe: two threads may run
-    forward on one wrapped model at once, and each entry is taken by exactly one of them."""
+    """The held norm inputs of the forwards in progress, oldest first, and how each is coded when it goes:
+    split by a ReLU's mask, or plainly. Thread-safe: two threads may run forward on one wrapped model at
+    once, and each entry is taken by exactly one of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, codecs: Codecs, store: Store, accounting: Accounting) -> None:
+        self._codecs, self._store, self._accounting = codecs, store, accounting
         self._held: list[Held] = []
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def add(self, held: Held) -> Held | None:
-        """Hold ``held``; returns the oldest one when that makes more than ``MOST_HELD`` (to be coded plainly)."""
+    def add(self, held: Held) -> None:
+        """Hold ``held``; the oldest is coded plainly when that makes more than ``MOST_HELD``."""
         with self._lock:
             self._held.append(held)
-            return self._held.pop(0) if len(self._held) > MOST_HELD else None
+            oldest = self._held.pop(0) if len(self._held) > MOST_HELD else None
+        if oldest is not None:
+            self._store_plainly(oldest)
 
-    def take(self, saved: Any) -> Held | None:
-        """The held entry of record ``saved``, removed; None if ``saved`` is not held."""
+    def split_by(self, relu_output: torch.Tensor, mask_record: Saved, records: list[Any]) -> None:
+        """Code the held ones among ``records`` (what the norms behind this ReLU saved as their input) split by
+        its mask, whose record ``mask_record`` was just stored."""
+        mask = None
+        for record in records:
+            held = self._take(record)
+            if held is None:
+                continue
+            spec = dataclasses.replace(held.spec, bits=min(8, 2 * held.spec.bits))
+            if splittable(held.tensor, relu_output):
+                mask = self._store.get(mask_record.ref) if mask is None else mask  # ReLU's bits
+                packed = self._codecs.encode_split(held.tensor, mask, spec)
+            else:
+                packed = None
+            if packed is None:
+                self._store_plainly(held)
+                continue
+            held.saved.mask, held.saved.bits = mask_record, spec.bits
+            why = (f"split by the ReLU mask of {mask_record.site}: {spec.bits}-bit codes where it passes, "
+                   f"group means elsewhere")
+            self._put(held, packed, why)  # its row keeps the policy's width: it costs about that
+
+    def store_all(self) -> None:
+        """Code every held input plainly (no ReLU claimed it)."""
+        with self._lock:
+            held, self._held = self._held, []
+        for entry in held:
+            self._store_plainly(entry)
+
+    def _take(self, saved: Any) -> Held | None:
         with self._lock:
             for i, held in enumerate(self._held):
                 if held.saved is saved:
                     return self._held.pop(i)
         return None
 
-    def take_all(self) -> list[Held]:
-        with self._lock:
-            held, self._held = self._held, []
-        return held
+    def _store_plainly(self, held: Held) -> None:
+        """As it would have been coded at its save."""
+        held.saved.readers = None
+        self._put(held, self._codecs.encode(held.codec, held.tensor, held.spec), None)
+
+    def _put(self, held: Held, packed: Any, why: str | None) -> None:
+        saved = held.saved
+        saved.ref = self._store.put(packed, held.importance, saved.site)
+        self._accounting.fill(saved.row, saved.site, packed.nbytes, why=why)
 
 
 def keeps_held(op: Any) -> bool:

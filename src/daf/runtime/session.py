@@ -6,7 +6,6 @@ lives at module level. ``pack`` and ``unpack`` are the saved-tensor hooks.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedAttention, DerivedProduct, DerivedStatistic
-from daf.runtime.held import SPLIT_READERS, Held, HeldInputs, keeps_held, norms_under_relu, splittable
+from daf.runtime.held import SPLIT_READERS, Held, HeldInputs, keeps_held, norms_under_relu
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
 from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version
 from daf.runtime.remakes import ABSENT, LinearCalls, NormCalls, Remakes
@@ -58,7 +57,8 @@ class Session:
         self._packs = 0
         self._shared = TensorTable()  # stored tensors of this forward: a second save shares the record
         self._relu_masks = TensorTable()  # ReLU masks of this forward, for the codes of nonzeros only
-        self._held = HeldInputs()  # norm inputs waiting for the ReLU that may split them (daf.runtime.held)
+        # norm inputs waiting for the ReLU that may split them (daf.runtime.held)
+        self._held = HeldInputs(self.codecs, self.store, self.accounting)
         # Records of this forward by the autograd node (and output number) that made their tensor: the x of
         # a dropout product x * mask is found from the multiply's input edge. The node is kept with it, so
         # that its id cannot be reused while the entry lives.
@@ -143,7 +143,7 @@ class Session:
         site = self.sites.next_site()
         op = self._current_op()
         if len(self._held) and not keeps_held(op):  # no ReLU follows those norms: code them before routing reads them
-            self._store_all_held()
+            self._held.store_all()
         context = self._context(site, tensor, op)
         self._why.reason = ""
         encoding = route(tensor, context)
@@ -315,7 +315,8 @@ class Session:
             self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)  # decodes to the tensor
         if encoding.kind is Kind.RELU_MASK:
             self._relu_masks.put(tensor, saved)  # never shared: the next op needs the values
-            self._split_by_relu(tensor, saved)
+            if len(self._held):
+                self._held.split_by(tensor, saved, [self.record_behind(n, "_saved_input") for n in norms_under_relu(tensor)])
         elif encoding.kind is not Kind.REGION_MASK:  # a region record is its op's alone, as a ReLU mask
             # derivative codes are GELU's only; log-probabilities are -inf where a probability codes to 0
             saved.readers = self.codecs.readers(encoding.codec, data, spec)
@@ -341,47 +342,8 @@ class Session:
         saved.channels_last = restores_channels_last(tensor, context.op, self.config.channels_last)
         self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)  # the block walk's leaf
         self.policy.watch(context.site, tensor, encoding.bits, None)
-        oldest = self._held.add(Held(saved, tensor, encoding.codec, spec, importance))
-        if oldest is not None:
-            self._store_held(oldest)
+        self._held.add(Held(saved, tensor, encoding.codec, spec, importance))
         return saved
-
-    def _split_by_relu(self, relu_output: torch.Tensor, mask_record: Saved) -> None:
-        """Code the held norm inputs behind this ReLU split by its mask (``mask_record`` is its record)."""
-        if not len(self._held):
-            return
-        mask = None
-        for node in norms_under_relu(relu_output):
-            held = self._held.take(self.record_behind(node, "_saved_input"))
-            if held is None:
-                continue
-            if not splittable(held.tensor, relu_output):
-                self._store_held(held)
-                continue
-            mask = self.store.get(mask_record.ref) if mask is None else mask  # ReLU's bits, just stored
-            spec = dataclasses.replace(held.spec, bits=min(8, 2 * held.spec.bits))
-            packed = self.codecs.encode_split(held.tensor, mask, spec)
-            if packed is None:
-                self._store_held(held)
-                continue
-            held.saved.mask, held.saved.bits = mask_record, spec.bits
-            why = (f"split by the ReLU mask of {mask_record.site}: {spec.bits}-bit codes where it passes, "
-                   f"group means elsewhere")
-            self._put_held(held, packed, why=why)  # its row keeps the policy's width: it costs about that
-
-    def _store_all_held(self) -> None:
-        for held in self._held.take_all():
-            self._store_held(held)
-
-    def _store_held(self, held: Held) -> None:
-        """Code a held norm input no ReLU split, as it would have been at its save."""
-        held.saved.readers = None
-        self._put_held(held, self.codecs.encode(held.codec, held.tensor, held.spec))
-
-    def _put_held(self, held: Held, packed: Any, why: str | None = None) -> None:
-        saved = held.saved
-        saved.ref = self.store.put(packed, held.importance, saved.site)
-        self.accounting.fill(saved.row, saved.site, packed.nbytes, why=why)
 
     def _observe(self, op: OpCall | None, encoding: Encoding, site: str, tensor: torch.Tensor, saved: Any) -> None:
         """Tell the op's call which stored (or raw floating-point) tensors it saved: the policy
@@ -442,7 +404,7 @@ class Session:
     def _collect_pending(self) -> None:
         """Code the held norm inputs; wait for the background packs of this forward and put them into the
         store, in pack order."""
-        self._store_all_held()
+        self._held.store_all()
         pending, self._pending = self._pending, []
         for saved in pending:
             future, importance = saved.pending
