@@ -533,7 +533,8 @@ class Config:
             bytes of the plain codes), and the next convolution's input remade from it instead of stored
             (rule "norm_block", which must be in ``remakes``). Off by default: on resnet18-fmnist's model
             it stores 18.6x instead of 12.9x at 0.69x the gradient error, but the process's peak RSS rises
-            (+81 MiB at batch 128) and the step is x1.25-1.37 fp32's (docs/results.md; ``daf.runtime.held``).
+            (833 against 727 MiB at batch 128) and the step is x1.25-1.37 fp32's (docs/results.md;
+            ``daf.runtime.held``).
         floors: the fewest bits for what named torch functions save, above whatever the policy gives:
             ``{"layer_norm": 4, "scaled_dot_product_attention": 4}`` (names as ``torch.nn.functional``
             spells them; the site's op in ``daf.report``). Kept as sorted ``(name, bits)`` pairs; a

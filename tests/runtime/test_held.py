@@ -56,8 +56,9 @@ def test_a_resnet_splits_each_norm_input_before_a_relu_and_remakes_the_conv_inpu
 
 
 def test_backward_reads_the_split_record_by_its_definition():
-    """What the norm's backward gets: the conv output's 4-bit codes where the ReLU mask passes (within half
-    a step of 16 levels over the group's range), the exact mean of each run of 256 others elsewhere."""
+    """What the norm's backward gets: the conv output (held as 8-bit codes until its ReLU) as 4-bit codes where
+    the ReLU mask passes (within half a step of 16 levels over the group's range, plus the 8-bit step), and
+    the mean of each run of 256 others elsewhere (within the 8-bit step)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
     daf.wrap(model, audit=daf.Audit(every=0), split_norm_inputs=True)
@@ -73,12 +74,13 @@ def test_backward_reads_the_split_record_by_its_definition():
     got = decoded[0]
     assert got.shape == x.shape
     flat_x, flat_got, flat_mask = x.reshape(-1), got.reshape(-1), mask.reshape(-1)
+    held_step = max((flat_x[i:i + 256].max() - flat_x[i:i + 256].min()).item() for i in range(0, flat_x.numel(), 256)) / 255
     others = flat_x[~flat_mask]
     means = torch.stack([others[i:i + 256].mean() for i in range(0, others.numel(), 256)])
-    torch.testing.assert_close(flat_got[~flat_mask], means.repeat_interleave(256)[:others.numel()])
+    assert (flat_got[~flat_mask] - means.repeat_interleave(256)[:others.numel()]).abs().max() <= held_step / 2 * 1.01
     kept = flat_x[flat_mask]
     widest = max((kept[i:i + 256].max() - kept[i:i + 256].min()).item() for i in range(0, kept.numel(), 256))
-    assert (flat_got[flat_mask] - kept).abs().max() <= widest / 15 / 2 * 1.01
+    assert (flat_got[flat_mask] - kept).abs().max() <= (widest / 15 / 2 + held_step) * 1.01
 
 
 @pytest.mark.parametrize("setting", [{}, {"channels_last": True}])

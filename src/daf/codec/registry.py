@@ -24,6 +24,7 @@ from daf.codec.logprob import LogProbCodec, LogProbPacked
 from daf.codec.mask import MaskCodec, MaskPacked, ReluMaskCodec, ReluMaskPacked
 from daf.codec.minmax import MinMaxCodec
 from daf.codec.minmax import decode as decode_codes
+from daf.codec.minmax import encode as encode_codes
 from daf.codec.nonzeros import decode_nonzeros
 from daf.codec.spec import Codec, Spec
 from daf.codec.split import SplitPacked, decode_split, encode_split, reencode_split
@@ -125,6 +126,11 @@ class Codecs:
         else:
             tensor = self._decoder_of(packed).decode(packed)
         return _to_channels_last(tensor) if channels_last and tensor.dim() == 4 else tensor
+
+    def encode_held(self, x: torch.Tensor, bits: int) -> Packed:
+        """Format-1 codes of ``x`` (nearest, whatever the codes codec): what a norm input waiting for its ReLU
+        is held as (``daf.runtime.held``)."""
+        return encode_codes(x, bits, self._config.group_size, "nearest", 0, self.backend)
 
     def encode_split(self, x: torch.Tensor, mask: MaskPacked, spec: Spec) -> SplitPacked | None:
         """``x`` split by ``mask`` (the record of the ReLU mask after it): codes at ``spec.bits`` of the

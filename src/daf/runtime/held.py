@@ -1,12 +1,14 @@
-"""Norm inputs held as they are until the op after the norm is known, then split by its ReLU mask.
+"""Norm inputs held until the op after the norm is known, then split by its ReLU mask.
 
 A batch or group norm's input is saved before the ReLU that may follow the norm has run. The session
-holds it (at most ``MOST_HELD`` at a time, each one activation for one or two ops); when a ReLU saves its
-mask and its input is the norm's output (``relu(norm(x))``) or a sum of norm outputs
+holds it (as ``HELD_BITS`` codes, at most ``MOST_HELD`` at a time, each for one or two ops); when a ReLU
+saves its mask and its input is the norm's output (``relu(norm(x))``) or a sum of norm outputs
 (``relu(norm(x) + shortcut)``), each held input behind it is coded split by that mask
 (``daf.codec.split``: codes at twice the width where the mask passes the gradient, group means elsewhere)
 and keeps a reference to the mask's record, which it decodes with. An input no ReLU claims is coded as
-plain codes when a third is held, when the forward ends or when backward asks for it first.
+plain codes when another op saves a tensor (any but a convolution's or a norm's, which a shortcut makes
+between a norm and its ReLU), when a third is held, when the forward ends or when backward asks for it
+first.
 
 The split assumes what a CNN block does: the norm's output is read by the ReLU path only, so its gradient
 is zero where the mask is. A norm output that something else also reads gets its input's masked-out
@@ -27,10 +29,13 @@ from daf.memory import Store
 from daf.runtime.accounting import Accounting
 from daf.runtime.records import Saved
 
-__all__ = ["Held", "HeldInputs", "MOST_HELD", "NORM_NODES", "SPLIT_READERS", "keeps_held", "norms_under_relu",
+__all__ = ["Held", "HeldInputs", "HELD_BITS", "MOST_HELD", "NORM_NODES", "SPLIT_READERS", "keeps_held", "norms_under_relu",
            "splittable"]
 
 MOST_HELD = 2  # a ResNet block with a downsampling shortcut holds two (bn2's and the shortcut norm's input)
+# The held form: the raw input held until its ReLU cost one or two of a ResNet's largest activations at the
+# forward's peak (docs/results.md); 8-bit codes cost a quarter, and add under 1/15 of a 4-bit step's error.
+HELD_BITS = 8
 NORM_NODES = frozenset({"NativeBatchNormBackward0", "NativeGroupNormBackward0"})
 SPLIT_READERS = frozenset({"batch_norm", "group_norm"})  # ops that may read a split record (its others: means)
 # Saves between a norm and its ReLU that leave the held inputs held: the norm's own, a shortcut's conv and norm
@@ -39,11 +44,12 @@ _BETWEEN = frozenset({*SPLIT_READERS, "conv1d", "conv2d", "conv3d"})
 
 @dataclasses.dataclass(eq=False)
 class Held:
-    """A norm input waiting for its ReLU: the record handed to autograd, the tensor, how it is coded plainly
-    (``codec``, ``spec``), its importance and report row."""
+    """A norm input waiting for its ReLU: the record handed to autograd, the input as 8-bit codes (a quarter
+    of its bytes, so that holding it costs little: ``HELD_BITS``), how it is coded plainly (``codec``,
+    ``spec``) and its importance."""
 
     saved: Saved
-    tensor: torch.Tensor
+    packed: Any
     codec: str
     spec: Spec
     importance: float
@@ -63,8 +69,10 @@ class HeldInputs:
     def __len__(self) -> int:
         return len(self._held)
 
-    def add(self, held: Held) -> None:
-        """Hold ``held``; the oldest is coded plainly when that makes more than ``MOST_HELD``."""
+    def hold(self, saved: Saved, tensor: torch.Tensor, codec: str, spec: Spec, importance: float) -> None:
+        """Hold ``tensor`` (as ``HELD_BITS`` codes) for record ``saved``; the oldest held is coded plainly when
+        that makes more than ``MOST_HELD``."""
+        held = Held(saved, self._codecs.encode_held(tensor, HELD_BITS), codec, spec, importance)
         with self._lock:
             self._held.append(held)
             oldest = self._held.pop(0) if len(self._held) > MOST_HELD else None
@@ -80,9 +88,10 @@ class HeldInputs:
             if held is None:
                 continue
             spec = dataclasses.replace(held.spec, bits=min(8, 2 * held.spec.bits))
-            if splittable(held.tensor, relu_output):
+            x = self._codecs.decode(held.packed)
+            if splittable(x, relu_output):
                 mask = self._store.get(mask_record.ref) if mask is None else mask  # ReLU's bits
-                packed = self._codecs.encode_split(held.tensor, mask, spec)
+                packed = self._codecs.encode_split(x, mask, spec)
             else:
                 packed = None
             if packed is None:
@@ -110,7 +119,7 @@ class HeldInputs:
     def _store_plainly(self, held: Held) -> None:
         """As it would have been coded at its save."""
         held.saved.readers = None
-        self._put(held, self._codecs.encode(held.codec, held.tensor, held.spec), None)
+        self._put(held, self._codecs.encode(held.codec, self._codecs.decode(held.packed), held.spec), None)
 
     def _put(self, held: Held, packed: Any, why: str | None) -> None:
         saved = held.saved

@@ -23,7 +23,7 @@ from daf.report import Report
 from daf.runtime.accounting import Accounting
 from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedAttention, DerivedProduct, DerivedStatistic
-from daf.runtime.held import SPLIT_READERS, Held, HeldInputs, keeps_held, norms_under_relu
+from daf.runtime.held import SPLIT_READERS, HeldInputs, keeps_held, norms_under_relu
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
 from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version
 from daf.runtime.remakes import ABSENT, LinearCalls, NormCalls, Remakes
@@ -342,7 +342,7 @@ class Session:
         saved.channels_last = restores_channels_last(tensor, context.op, self.config.channels_last)
         self._outputs[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, saved)  # the block walk's leaf
         self.policy.watch(context.site, tensor, encoding.bits, None)
-        self._held.add(Held(saved, tensor, encoding.codec, spec, importance))
+        self._held.hold(saved, tensor, encoding.codec, spec, importance)
         return saved
 
     def _observe(self, op: OpCall | None, encoding: Encoding, site: str, tensor: torch.Tensor, saved: Any) -> None:
