@@ -533,8 +533,8 @@ class Config:
             bytes of the plain codes), and the next convolution's input remade from it instead of stored
             (rule "norm_block", which must be in ``remakes``). Off by default: on resnet18-fmnist's model
             it stores 18.6x instead of 12.9x at 0.69x the gradient error, but the process's peak RSS rises
-            (833 against 727 MiB at batch 128) and the step is x1.25-1.37 fp32's (docs/results.md;
-            ``daf.runtime.held``).
+            (833 against 727 MiB at batch 128) and the step is x1.4 plain codes' (docs/results.md;
+            ``daf.runtime.held``). Eager only: graphs that ``torch.compile`` made store plain codes.
         floors: the fewest bits for what named torch functions save, above whatever the policy gives:
             ``{"layer_norm": 4, "scaled_dot_product_attention": 4}`` (names as ``torch.nn.functional``
             spells them; the site's op in ``daf.report``). Kept as sorted ``(name, bits)`` pairs; a
@@ -595,12 +595,24 @@ class Config:
         object.__setattr__(self, "floors", _checked_floors(self.floors))
         object.__setattr__(self, "remakes", _checked_remakes(self.remakes))
         _check_bool("Config.split_norm_inputs", self.split_norm_inputs)
+        self._check_split_norm_inputs()
         if not isinstance(self.audit, Audit):
             raise ValueError(f"Config.audit must be a daf.Audit(...) (daf.Audit(every=0) turns it off), "
                              f"got {self.audit!r}")
         if self.version != CONFIG_VERSION:
             raise ValueError(f"Config.version {self.version} is not supported; this DAF makes version "
                              f"{CONFIG_VERSION} (Config.from_dict reads version-1 dicts too)")
+
+    def _check_split_norm_inputs(self) -> None:
+        """The split needs the block remake and MinMax or Outliers codes: without them it would do nothing."""
+        if not self.split_norm_inputs:
+            return
+        if "norm_block" not in self.remakes:
+            raise ValueError(f"Config.split_norm_inputs=True needs the remake rule 'norm_block' in Config.remakes "
+                             f"(the conv input is remade from the split record); got remakes={self.remakes!r}")
+        if not isinstance(self.codec, (MinMax, Outliers)):
+            raise ValueError(f"Config.split_norm_inputs=True splits MinMax or Outliers codes; codec={self.codec!r} "
+                             f"keeps its own form: drop one of the two")
 
     def _check_bits(self) -> None:
         """``bits`` is a width; an average belongs to ``Adaptive``, which says so when it is asked for. A width

@@ -186,11 +186,17 @@ def test_a_split_record_is_stored_as_such():
     assert kinds.count(SplitPacked) == 8
 
 
-def test_off_by_default_and_without_the_block_rule():
+def test_off_by_default():
     torch.manual_seed(0)
-    for config in ({}, {"split_norm_inputs": True, "remakes": ("activation",)}):
-        model = daf.wrap(Net(), audit=daf.Audit(every=0), **config)
-        _grads(model, *_batch())
-        assert not any(r.why.startswith("split") for r in daf.report(model).rows)
+    model = daf.wrap(Net(), audit=daf.Audit(every=0))
+    _grads(model, *_batch())
+    assert not any(r.why.startswith("split") for r in daf.report(model).rows)
     with pytest.raises(ValueError, match="split_norm_inputs"):
         daf.Config(split_norm_inputs="yes")
+
+
+def test_a_split_that_would_do_nothing_is_refused():
+    with pytest.raises(ValueError, match="needs the remake rule 'norm_block'"):
+        daf.Config(split_norm_inputs=True, remakes=("activation",))
+    with pytest.raises(ValueError, match="splits MinMax or Outliers codes"):
+        daf.Config(split_norm_inputs=True, codec=daf.Division())
