@@ -57,7 +57,7 @@ NEAREST_FROM_BITS = 4
 # The remake rules (daf.runtime.remakes, in the order they are asked): saves recomputed in backward from
 # records of the same forward instead of stored. Each trades a recomputation for memory; the costliest is
 # the head's, a language model's head matmul again (8.6% of a SmolLM2 step, docs/transformers.md, section 8).
-REMAKES = ("activation", "attention_output", "attention_map", "head_log_probabilities", "norm_block")
+REMAKES = ("activation", "attention_output", "attention_map", "head_log_probabilities", "norm_block", "view")
 
 
 def stochastic_at(rounding: str, bits: int) -> bool:

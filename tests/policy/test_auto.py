@@ -151,6 +151,9 @@ def _convolved(t: torch.Tensor) -> torch.Tensor:
 class _Call:
     """What ``AutoPolicy.rule`` reads of a ``daf.tracing.OpCall``: its name and the fused-attention role."""
 
+    attention_value = None
+    tensor_arguments: list = []
+
     def __init__(self, name: str) -> None:
         self.name = name
 
@@ -268,3 +271,51 @@ def test_wrap_alone_codes_a_relu_cnns_nonzeros_finer_in_fewer_bytes():
     assert len(rows) == 2 and all(row.bits in (2, 4) for row in rows)
     assert max(stored[True]) <= min(stored[False])
     assert sum(errors[True]) < 0.8 * sum(errors[False]), errors
+
+
+class _Attention(nn.Module):
+    """Attention written out (``eager``) or through the math path of ``scaled_dot_product_attention`` (taken on a
+    CPU when the mask needs a gradient); dropout on the probabilities when ``dropout``."""
+
+    def __init__(self, path: str, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.qkv, self.path, self.dropout = nn.Linear(64, 3 * 64), path, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        if self.path == "eager":
+            p = F.dropout(torch.softmax(q @ k.transpose(-1, -2), -1), self.dropout)
+            out = torch.matmul(p, v)
+        else:
+            bias = torch.zeros(x.shape[1], x.shape[1], requires_grad=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=self.dropout)
+        return out.transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("path, dropout", [("eager", 0.0), ("eager", 0.1), ("math", 0.0)])
+def test_attention_values_outside_the_fused_kernels_get_sensitive_bits(path, dropout):
+    """Eager attention's v (the other operand of softmax's probabilities) and the math path's copy of v get
+    ``sensitive_bits``, as the fused kernels' v does; q and k keep ``bits``."""
+    torch.manual_seed(0)
+    model = _Attention(path, dropout)
+    daf.wrap(model, audit=daf.Audit(every=0), min_numel=1)
+    model(torch.randn(4, 32, 64)).square().mean().backward()
+    rows = [row for row in daf.report(model).rows if row.kind == "compressed" and row.shape[-1] != 64 * 3]
+    values = [row for row in rows if row.why == auto._EAGER_VALUES_REASON]
+    assert len(values) == 1 and values[0].bits == AUTO.sensitive_bits, [(r.site, r.source, r.bits, r.why) for r in rows]
+    operands = [row for row in rows if row.source == "UnsafeViewBackward0" and row not in values]
+    assert len(operands) == 2 and all(row.bits == AUTO.bits for row in operands)  # q and k^T
+
+
+def test_values_of_probabilities_reads_the_call_and_the_saves_history():
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    p, v = torch.softmax(x @ x.transpose(-1, -2), -1), x * 2
+    matmul = _Call("matmul")
+    matmul.tensor_arguments = [p, v]
+    assert auto.values_of_probabilities(v, matmul)
+    assert not auto.values_of_probabilities(p.reshape(8, 4), matmul)  # the probabilities themselves
+    other = _Call("matmul")
+    other.tensor_arguments = [x * 3, v]
+    assert not auto.values_of_probabilities(v, other)  # no probabilities in the product
+    assert not auto.values_of_probabilities(v, _Call("linear"))
+    assert not auto.values_of_probabilities(v, None)

@@ -21,7 +21,8 @@ from daf.config import Auto
 from daf.policy.uniform import Policy
 from daf.tracing import OpCall
 
-__all__ = ["AutoPolicy", "FEATURE_MAP_FUNCTIONS", "FEATURE_MAP_PRODUCERS", "SENSITIVE_NODES", "made_as_feature_map"]
+__all__ = ["AutoPolicy", "FEATURE_MAP_FUNCTIONS", "FEATURE_MAP_PRODUCERS", "SENSITIVE_NODES", "made_as_feature_map",
+           "values_of_probabilities"]
 
 # Torch functions whose saves, 3-D and more, are a CNN's feature maps (names as OpCall.name gives them).
 FEATURE_MAP_FUNCTIONS = frozenset({
@@ -45,9 +46,61 @@ FEATURE_MAP_PRODUCERS = (
 SENSITIVE_NODES = frozenset({"TanhBackward0", "SigmoidBackward0", "SoftmaxBackward0", "SafeSoftmaxBackward0"})
 
 
+# Products whose operand may be softmax's probabilities (eager attention's ``p @ v``), as OpCall.name gives them
+PRODUCT_FUNCTIONS = frozenset({"matmul", "__matmul__", "bmm", "baddbmm", "einsum"})
+# Nodes between softmax's output and a product's operand that keep it the probabilities (dropout, a cast, views)
+_PROBABILITIES_THROUGH = frozenset({"NativeDropoutBackward0", "MulBackward0", "ToCopyBackward0", "ViewBackward0",
+                                    "UnsafeViewBackward0", "ExpandBackward0", "CloneBackward0", "ReshapeAliasBackward0"})
+_SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ExpandBackward0", "CloneBackward0", "ReshapeAliasBackward0",
+                    "TransposeBackward0", "PermuteBackward0"})
+
+
+def _is_probabilities(t: torch.Tensor, depth: int = 5) -> bool:
+    """Whether ``t`` is softmax's output, or that through dropout, a cast or a view."""
+    node = t.grad_fn
+    for _ in range(depth):
+        name = type(node).__name__ if node is not None else None
+        if name in _SOFTMAX:
+            return True
+        if name not in _PROBABILITIES_THROUGH or not node.next_functions:
+            return False
+        node = node.next_functions[0][0]
+    return False
+
+
+def values_of_probabilities(x: torch.Tensor, op: OpCall | None) -> bool:
+    """Whether ``x`` is attention's values outside the fused kernels: the other operand of a product with
+    softmax's probabilities (eager attention's ``p @ v``), or the copy of ``value`` that the math path of
+    ``scaled_dot_product_attention`` saves for its own product. Backward multiplies it into the
+    probabilities' gradient (``dP = dO v^T``, then ``p * (dP - sum(p dP))``) as the fused kernels' v, and it
+    gets ``sensitive_bits`` as that one does: T5 with large channels (the math path), one gradient, cosine
+    0.871 with v at 4 bits, 0.927 at 8 (q and k at 8 instead: 0.869)."""
+    if op is None or not x.dtype.is_floating_point or _is_probabilities(x):
+        return False
+    if op.name in PRODUCT_FUNCTIONS:
+        return any(_is_probabilities(t) for t in op.tensor_arguments)
+    value = op.attention_value
+    return value is not None and value.grad_fn is not None and x.grad_fn is not value.grad_fn \
+        and _descends_from(x, value.grad_fn)
+
+
+def _descends_from(x: torch.Tensor, node: object, depth: int = 6) -> bool:
+    """Whether ``x`` is the output of ``node`` through views, expansions and copies."""
+    current = x.grad_fn
+    for _ in range(depth):
+        if current is node:
+            return True
+        if current is None or type(current).__name__ not in _VIEWS or not current.next_functions:
+            return False
+        current = current.next_functions[0][0]
+    return False
+
+
 _REASONS = {"bits": "auto: linear, norm or activation input", "feature_map_bits": "auto: feature map",
             "feature_map_after_norm": "auto: feature map made by a norm or an add, not a ReLU CNN's",
             "sensitive_bits": "auto: saturating derivative or attention values"}
+_EAGER_VALUES_REASON = "auto: attention values (the other operand of softmax's probabilities)"
 _LARGE_WEIGHT_REASON = "auto: batch norm input, its weight has large channels"
 _NONZEROS_REASONS = {"bits": "auto: nonzeros of a ReLU output, at most half of it",
                      "feature_map_bits": "auto: nonzeros of a ReLU output, more than half of it"}
@@ -144,12 +197,15 @@ def _choice(x: torch.Tensor, op: OpCall | None) -> tuple[str, str]:
     group_norm, large_weight = _group_norm_input(x, op), _norm_with_large_weight(x, op)
     feature_map = op is not None and op.name in FEATURE_MAP_FUNCTIONS and x.dim() >= 3
     node = type(x.grad_fn).__name__ if x.grad_fn is not None else None
-    if node in SENSITIVE_NODES or (op is not None and op.fused_attention_role(x) == "values"):
+    eager_values = values_of_probabilities(x, op)
+    if node in SENSITIVE_NODES or eager_values or (op is not None and op.fused_attention_role(x) == "values"):
         field = "sensitive_bits"
     elif feature_map and made_as_feature_map(x) and not group_norm and not large_weight:
         field = "feature_map_bits"
     else:
         field = "bits"
+    if eager_values:
+        return field, _EAGER_VALUES_REASON
     if group_norm:
         return field, _GROUP_NORM_REASON
     if large_weight and made_as_feature_map(x):

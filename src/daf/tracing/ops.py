@@ -152,6 +152,14 @@ class OpCall:
                 return "values" if name == "value" else "logits"
         return None
 
+    @property
+    def attention_value(self) -> torch.Tensor | None:
+        """The ``value`` an attention call was given; None for other calls."""
+        if self.func not in ATTENTION_FUNCTIONS:
+            return None
+        value = self.kwargs.get("value", self.args[2] if len(self.args) > 2 else None)
+        return value if isinstance(value, torch.Tensor) else None
+
     def is_attention_statistic(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``, saved by this fused-attention call without history, has the shape of its
         logsumexp (the query's without its last dimension), in float32."""

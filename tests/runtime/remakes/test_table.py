@@ -59,6 +59,18 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout).transpose(1, 2).flatten(2)
 
 
+class EagerAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) @ v written out: ``matmul`` folds the probabilities to 3-D, a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 3 * 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return (torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v).transpose(1, 2).flatten(2)
+
+
 def _lm_head() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     from tests.runtime.test_derived_head import TinyLM, _ids
 
@@ -79,6 +91,7 @@ TABLE = [
     ("layer norm", lambda: _case(NormThenLinear(), (8, 16, 64)), {"bits": 8}, "activation"),
     ("fused attention", lambda: _case(Attention(), (4, 32, 64)), {"bits": 4, "min_numel": 1}, "attention_output"),
     ("attention with dropout", lambda: _case(Attention(0.1), (4, 32, 64)), {"bits": 8, "min_numel": 1}, "attention_map"),
+    ("eager attention", lambda: _case(EagerAttention(), (4, 32, 64)), {"bits": 8, "min_numel": 1}, "view"),
     ("lm head", _lm_head, {"bits": 4, "min_numel": 64}, "head_log_probabilities"),  # as test_derived_head
     ("bn relu", lambda: _case(Block(), (4, 8, 16, 16)), FINE_NORM_INPUTS, "norm_block"),
     ("bn relu residual", lambda: _case(Block(residual=True), (4, 8, 16, 16)), FINE_NORM_INPUTS, "norm_block"),
@@ -184,6 +197,36 @@ def test_a_norm_input_read_before_its_relu_is_not_split():
     assert "nonzeros of a ReLU output" in rows["conv2#0"].why and "not remade (rule norm_block)" in rows["conv2#0"].why
 
 
+def test_a_remade_view_is_its_base_records_decode_reshaped():
+    """Rule ``view``: the probabilities folded for ``p @ v`` are the softmax's record reshaped, so the gradient
+    equals the one where the view is coded apart at the same width (same groups, nearest rounding), in fewer
+    bytes."""
+    torch.manual_seed(0)
+    model, loss = _case(EagerAttention(), (4, 32, 64))
+    grads, stored = [], []
+    for remakes in (REMAKES, tuple(r for r in REMAKES if r != "view")):
+        copy = EagerAttention()
+        copy.load_state_dict(model.state_dict())
+        daf.wrap(copy, audit=daf.Audit(every=0), bits=8, rounding="nearest", codec=daf.MinMax(), min_numel=1,
+                 remakes=remakes)
+        loss(copy).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in copy.parameters()]))
+        stored.append(daf.report(copy).stored_bytes)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    assert stored[0] < stored[1]
+
+
+def test_a_view_of_part_of_a_tensor_is_not_remade():
+    """A view that is not the whole base in its order (a slice, a transpose) keeps codes of its own."""
+    from daf.runtime.remakes.views import _reshape_of
+
+    base = torch.randn(4, 8, 16)
+    assert _reshape_of(base.view(32, 16), base)
+    assert not _reshape_of(base[:2].reshape(16, 16), base)
+    assert not _reshape_of(base.transpose(1, 2), base)
+    assert not _reshape_of(base.view(torch.int32), base)
+
+
 @pytest.mark.parametrize("rules, error", [
     ([object()], TypeError),
     ([NormBlockRule(), NormBlockRule()], ValueError),
@@ -199,7 +242,8 @@ def test_lost_bits_is_checked():
 
 
 def test_the_default_table_order():
-    assert Remakes().names == ("activation", "attention_output", "attention_map", "head_log_probabilities", "norm_block")
+    assert Remakes().names == ("activation", "attention_output", "attention_map", "head_log_probabilities", "norm_block",
+                               "view")
     assert Remakes().names == daf.Config().remakes == REMAKES  # the config names every rule, in the table's order
     assert Remakes.named(("norm_block", "activation")).names == ("activation", "norm_block")
     with pytest.raises(ValueError, match="no remake rule named"):

@@ -10,6 +10,7 @@ one ``Remakes`` (as it owns its ``Codecs``), asks it once per save that routing 
 | ``attention_output`` | fused attention's output on a CPU (and its logsumexp) | q, k, v (and the mask) as kept |
 | ``attention_map`` | the math path's probabilities | the scores' two operands, an exact copy of the mask |
 | ``head_log_probabilities`` | log_softmax of a linear head's logits | an 8-bit record of the head's input |
+| ``view`` | a reshaped view of a stored tensor (eager attention's probabilities folded for ``p @ v``) | the base's record |
 | ``norm_block`` | a CNN block: act(norm(x) [+ shortcut]), batch or group norm, ReLU/SiLU/GELU | the norm input's record, its statistics and affine parameters, the shortcut's record (itself remade or stored) |
 
 A ``Remake``'s ``bits`` is what its error is worth (the coarsest record's width; for ``norm_block`` through
@@ -30,6 +31,7 @@ from daf.runtime.remakes.blocks import NormBlockRule, NormCalls
 from daf.runtime.remakes.elementwise import ActivationRule
 from daf.runtime.remakes.heads import HeadRule, LinearCalls
 from daf.runtime.remakes.records import ABSENT, Records
+from daf.runtime.remakes.views import ViewRule
 from daf.runtime.route import Remake
 from daf.tracing import OpCall
 
@@ -45,7 +47,7 @@ class RemakeRule(Protocol):
 # The order matters where two rules could take one save: a transformer's SiLU output is the activation
 # rule's (from its input's record) before the block rule would walk further back.
 DEFAULT_RULES: tuple[RemakeRule, ...] = (ActivationRule(), AttentionOutputRule(), AttentionMapRule(), HeadRule(),
-                                         NormBlockRule())
+                                         NormBlockRule(), ViewRule())
 
 
 class Remakes:
