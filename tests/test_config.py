@@ -288,6 +288,7 @@ def test_floors_are_sorted_pairs_a_dict_in_json_and_named_floors_only():
     ({"fraction": 0}, "Audit.fraction must be a number in (0, 1], got 0; to turn the audit off"),
     ({"fraction": 1.5}, "Audit.fraction must be a number in [0, 1], got 1.5"),
     ({"threshold": 2}, "Audit.threshold must be a number in [0, 1], got 2"),
+    ({"nearest_threshold": -0.5}, "Audit.nearest_threshold must be a number in [0, 1], got -0.5"),
     ({"first": 1}, "Audit.first must be True or False, got 1"),
     ({"min_samples": 0}, "Audit.min_samples must be an integer >= 1, got 0"),
     ({"evry": 3}, "unknown Audit field(s) 'evry' (did you mean 'every'?)"),
@@ -303,7 +304,8 @@ def test_config_audit_takes_an_audit_and_old_dicts_without_it_get_the_default():
         Config(audit=50)
     assert Config().audit == Audit() and Config().to_dict()["audit"] == {"every": 50, "fraction": 0.125,
                                                                           "threshold": Audit().threshold, "first": True,
-                                                                          "min_samples": 4}
+                                                                          "min_samples": 4,
+                                                                          "nearest_threshold": Audit().nearest_threshold}
     data = Config(bits=4).to_dict()
     del data["audit"]
     assert Config.from_dict(data) == Config(bits=4)

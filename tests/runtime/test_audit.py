@@ -310,3 +310,55 @@ def test_the_slice_codes_the_saves_the_step_codes_though_each_is_below_min_numel
 def test_min_numel_is_scaled_to_the_slice(min_numel, samples, batch, expected):
     from daf.runtime.audit import _slice_min_numel
     assert _slice_min_numel(min_numel, samples, batch) == expected
+
+
+class _ReturnsLossAndLogits(nn.Module):
+    """A model that, given labels, returns its loss beside the logits (as Hugging Face models do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.body(x)
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_the_audit_differentiates_the_loss_a_model_returns_and_sees_the_steps_cosine():
+    """With a loss among the outputs the audit takes the loss's gradient, the one the step takes: on a slice that
+    is the whole batch, with nearest codes (no random draw), its cosine is the step's."""
+    torch.manual_seed(0)
+    base, (x, y) = _ReturnsLossAndLogits(), _batch(4)
+    base(x, y)["loss"].backward()
+    exact = torch.cat([p.grad.flatten() for p in base.parameters()])
+    model = daf.wrap(copy.deepcopy(base), bits=2, rounding="nearest", min_numel=1,
+                     audit=daf.Audit(threshold=0.0, nearest_threshold=0.0))
+    for p in model.parameters():
+        p.grad = None
+    model(x, labels=y)["loss"].backward()
+    step = F.cosine_similarity(torch.cat([p.grad.flatten() for p in model.parameters()]), exact, 0)
+    section = daf.report(model).sections["audit"]
+    assert section["samples"] == 4 and step < 0.999
+    assert section["first_cosine"] == pytest.approx(float(step), abs=1e-6)
+
+
+def test_the_objective_is_the_scalars_among_the_outputs_where_there_are_any():
+    from daf.runtime.audit import _objective
+
+    loss, logits = torch.tensor(1.0), torch.ones(2, 3)
+    assert _objective([logits, loss]) == [loss]
+    assert _objective([logits]) == [logits]
+    assert _objective([]) == []
+
+
+@pytest.mark.parametrize("saves, rounding, threshold", [
+    ({"a": (4, 0.1), "b": (8, 0.1)}, "auto", "nearest_threshold"),  # a transformer's: every code rounded to nearest
+    ({"a": (2, 0.1), "b": (4, 0.1)}, "auto", "threshold"),  # a CNN's 2-bit maps are stochastic
+    ({"a": (4, 0.1)}, "stochastic", "threshold"),
+    ({"a": (2, 0.1)}, "nearest", "nearest_threshold"),
+    ({}, "auto", "threshold"),  # nothing coded
+])
+def test_nearest_threshold_holds_where_every_coded_save_is_rounded_to_nearest(saves, rounding, threshold):
+    config = daf.Audit(threshold=0.7, nearest_threshold=0.95)
+    audit = daf.runtime.audit.GradientAudit(daf.session_of(daf.wrap(_mlp(), audit=config)), config)
+    assert audit._threshold(saves, rounding) == getattr(config, threshold)
