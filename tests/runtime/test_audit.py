@@ -362,3 +362,18 @@ def test_nearest_threshold_holds_where_every_coded_save_is_rounded_to_nearest(sa
     config = daf.Audit(threshold=0.7, nearest_threshold=0.95)
     audit = daf.runtime.audit.GradientAudit(daf.session_of(daf.wrap(_mlp(), audit=config)), config)
     assert audit._threshold(saves, rounding) == getattr(config, threshold)
+
+
+@pytest.mark.parametrize("widths, suspects, raised, left", [
+    ({"a": 4, "b": 8, "c": 4}, {"b"}, ["a", "c"], {"b"}),  # the narrowest first, up to the widest's width
+    ({"a": 8, "b": 8}, {"b"}, ["b"], set()),  # all at one width: the targeted rounds' suspects first
+    ({"a": 8, "b": 8}, set(), ["a", "b"], set()),  # then every save
+    ({"a": 8}, {"gone"}, ["a"], {"gone"}),  # a suspect no longer coded is no suspect
+    ({}, {"b"}, [], {"b"}),
+])
+def test_a_broad_round_raises_the_narrowest_then_the_suspects_then_all(widths, suspects, raised, left):
+    from daf.runtime.audit import _broad
+
+    chosen, remaining = _broad({site: (bits, 0.1) for site, bits in widths.items()}, suspects)
+    assert sorted(site for site, _ in chosen) == raised and remaining == left
+    assert all(bits == widths[site] for site, bits in chosen)
