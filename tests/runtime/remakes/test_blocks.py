@@ -240,3 +240,26 @@ def test_remade_from_records_packed_in_the_background_or_decoded_channels_last(s
     got = _grads(model, x, y)
     assert sum(1 for r in daf.report(model).rows if r.why.startswith("norm_block: remade")) >= 6
     assert F.cosine_similarity(got, reference, dim=0) > 0.999
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu", "gelu"])
+def test_a_remake_writes_only_into_what_it_made_never_into_its_leaves(activation):
+    """``_evaluate`` works in place after its first step; the leaves (decoded records, which the session may hand
+    to another reader) stay as they were, and the value is the out-of-place expression's, bit for bit."""
+    from daf.runtime.remakes.blocks import _Activation, _Add, _evaluate, _Leaf, _Masked, _Norm
+
+    torch.manual_seed(0)
+    x, shortcut = torch.randn(2, 4, 3, 3), torch.randn(2, 4, 3, 3)
+    mask = (torch.randn(2, 4, 3, 3) > 0).float()
+    mean, rstd, weight, bias = torch.randn(4), torch.rand(4) + 0.5, torch.randn(4), torch.randn(4)
+    function = {"relu": torch.relu, "silu": F.silu, "gelu": F.gelu}[activation]
+    norm = _Norm(_Leaf(0), 0, mean, rstd, weight, bias, ())
+    expression = _Masked(_Add(norm, _Leaf(1), 1.0), 2) if activation == "relu" else \
+        _Activation(_Add(norm, _Leaf(1), 1.0), function, activation)
+    leaves = (x.clone(), shortcut.clone(), mask.clone())
+    value, owned = _evaluate(expression, leaves)
+    channel = (1, -1, 1, 1)
+    y = (x - mean.view(channel)) * rstd.view(channel) * weight.view(channel) + bias.view(channel) + shortcut
+    expected = torch.relu(y) * mask if activation == "relu" else function(y)
+    assert owned and torch.equal(value, expected)
+    assert all(torch.equal(a, b) for a, b in zip(leaves, (x, shortcut, mask)))

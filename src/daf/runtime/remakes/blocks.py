@@ -291,7 +291,8 @@ def _evaluate(expression: Any, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.
     decoded record, which the session may hand to another reader (``Session._recent``): never written. Each
     step after the first writes into what the one before made, so a block's remake holds one full-size
     temporary beside its leaves, not one per operation (resnet18-fmnist's model, split norm inputs: the
-    backward's tensor peak 312 -> 288 MiB), with the same arithmetic in the same order."""
+    backward's tensor peak 269 -> 245 MiB with the split's own change: benchmarks/rss_by_step.py), with
+    the same arithmetic in the same order."""
     if isinstance(expression, _Leaf):
         return leaves[expression.index], False
     if isinstance(expression, _Activation):
