@@ -109,3 +109,23 @@ def test_the_producer_is_found_past_views_and_a_softmax_tail():
     assert producer_of(graph.output_node().args[0]) == "aten.exp.default"
     graph = make_fx(conv_view)(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)).graph
     assert producer_of(graph.output_node().args[0]) == "aten.convolution.default"
+
+
+def test_attention_values_multiplied_with_the_probabilities_get_sensitive_bits_in_a_graph():
+    """Eager attention traced: v (the other operand of the probabilities' product) is found from the forward
+    graph and gets ``sensitive_bits``, as eager Auto gives it; q, k and the probabilities are not values."""
+    from daf.runtime.graph_rules import values_of_probabilities
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    graph = make_fx(attention)(*(torch.randn(2, 4, 16, 8) for _ in range(3))).graph
+    q, k, v = graph.find_nodes(op="placeholder")
+    assert values_of_probabilities(v) and not values_of_probabilities(q) and not values_of_probabilities(k)
+    softmax = next(n for n in graph.nodes if "softmax" in str(n.target))
+    assert not values_of_probabilities(softmax)
+    widths = GraphWidths.of(Config())
+    read_by_bmm = _readers(Node("aten.bmm.default"))
+    assert decide(ROWS, "aten.view.default", read_by_bmm, widths, Config()).bits == Auto().bits
+    decision = decide(ROWS, "aten.view.default", read_by_bmm, widths, Config(), values=True)
+    assert decision.bits == Auto().sensitive_bits and "other operand of softmax's probabilities" in decision.why

@@ -49,11 +49,12 @@ SENSITIVE_NODES = frozenset({"TanhBackward0", "SigmoidBackward0", "SoftmaxBackwa
 # Products whose operand may be softmax's probabilities (eager attention's ``p @ v``), as OpCall.name gives them
 PRODUCT_FUNCTIONS = frozenset({"matmul", "__matmul__", "bmm", "baddbmm", "einsum"})
 # Nodes between softmax's output and a product's operand that keep it the probabilities (dropout, a cast, views)
-_PROBABILITIES_THROUGH = frozenset({"NativeDropoutBackward0", "MulBackward0", "ToCopyBackward0", "ViewBackward0",
-                                    "UnsafeViewBackward0", "ExpandBackward0", "CloneBackward0", "ReshapeAliasBackward0"})
+_PROBABILITIES_THROUGH = frozenset({
+    "NativeDropoutBackward0", "MulBackward0", "ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0",
+    "ExpandBackward0", "CloneBackward0", "ReshapeAliasBackward0"})
 _SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
-_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ExpandBackward0", "CloneBackward0", "ReshapeAliasBackward0",
-                    "TransposeBackward0", "PermuteBackward0"})
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ExpandBackward0", "CloneBackward0",
+                    "ReshapeAliasBackward0", "TransposeBackward0", "PermuteBackward0"})
 
 
 def _is_probabilities(t: torch.Tensor, depth: int = 5) -> bool:

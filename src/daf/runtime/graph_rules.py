@@ -26,7 +26,7 @@ import torch
 
 from daf.config import Auto, Config, Uniform
 
-__all__ = ["Decision", "GraphWidths", "Readers", "decide", "producer_of", "readers_of"]
+__all__ = ["Decision", "GraphWidths", "Readers", "decide", "producer_of", "readers_of", "values_of_probabilities"]
 
 FALLBACK_BITS = 8
 
@@ -71,6 +71,7 @@ _REGION_READERS = frozenset(f"aten.{name}.default" for name in (
 # save (inductor's partitioner: ``le(x, 0)``), whose decoded value must not round across 0.
 _SIGN_ONLY = {"aten.threshold_backward.default": 2, "aten.le.Scalar": 1, "aten.gt.Scalar": 1}
 
+_VALUES_WHY = "in graph: attention values (the other operand of softmax's probabilities)"
 _WHY = {"bits": "in graph: linear, norm or activation input", "feature_map_bits": "in graph: feature map",
         "sensitive_bits": "in graph: saturating derivative or attention values"}
 
@@ -118,9 +119,10 @@ class Readers:
 
 
 def decide(x: torch.Tensor, producer: str | None, readers: Readers | None, widths: GraphWidths,
-           config: Config) -> Decision:
+           config: Config, values: bool = False) -> Decision:
     """The decision for ``x`` saved from a node made by ``producer`` and read by ``readers`` (None when not
-    known: the hooks run eagerly, then every float save is ``bits`` codes)."""
+    known: the hooks run eagerly, then every float save is ``bits`` codes); ``values``: the save is attention's
+    values outside a fused kernel (``values_of_probabilities``)."""
     if x.dtype == torch.bool and config.masks:
         return Decision("mask", 1, "in graph: boolean mask, exact")
     if not x.dtype.is_floating_point:
@@ -135,9 +137,10 @@ def decide(x: torch.Tensor, producer: str | None, readers: Readers | None, width
     if any(str(node.target) in _REGION_READERS for node in nodes):
         return Decision("raw", None, "in graph, raw: read against its bounds by hardtanh's, leaky ReLU's or "
                                      "hardsigmoid's backward (eager DAF stores the region's bit; graphs do not yet)")
-    rule = "sensitive_bits" if fused is not None else _rule(x, producer, nodes)
+    rule = "sensitive_bits" if fused is not None or values else _rule(x, producer, nodes)
     bits = getattr(widths, rule)
-    why = _WHY[rule] + (f" ({widths.fallback})" if widths.fallback else "")
+    why = _VALUES_WHY if values and fused is None else _WHY[rule]
+    why += f" ({widths.fallback})" if widths.fallback else ""
     signs = [node for node in nodes if _reads_sign_only(node)]
     if signs and len(signs) == len(nodes):
         return Decision("sign", 1, "in graph: ReLU's sign bits only, exact")
@@ -152,6 +155,38 @@ def _rule(x: torch.Tensor, producer: str | None, readers: Any) -> str:
     if x.dim() >= 3 and feature_map and not targets & _NOT_FEATURE_MAP_READERS:
         return "feature_map_bits"
     return "bits"
+
+
+_PRODUCTS = frozenset({"aten.bmm.default", "aten.mm.default", "aten.matmul.default", "aten.baddbmm.default"})
+
+
+def values_of_probabilities(node: Any) -> bool:
+    """Whether the saved forward ``node`` is, past views, an operand of a product with softmax's probabilities:
+    eager attention's v, which eager Auto gives ``sensitive_bits`` (``daf.policy.auto.values_of_probabilities``).
+    The partitioner often saves a view of the operand (its transpose, for ``p^T dO``), so the search goes back
+    through views to the operand, then forward through views to the products."""
+    same, current = [], node
+    while hasattr(current, "op"):
+        same.append(current)
+        if current.op != "call_function" or str(current.target) not in _PASS_THROUGH or not current.args:
+            break
+        current = current.args[0]
+    pending, seen = list(same), set(same)
+    while pending:
+        for user in pending.pop().users:
+            target = str(user.target)
+            if target in _PASS_THROUGH and user not in seen:
+                seen.add(user)
+                pending.append(user)
+            elif target in _PRODUCTS and any(_probabilities(a) for a in user.args
+                                             if hasattr(a, "op") and a not in seen):
+                return True
+    return False
+
+
+def _probabilities(node: Any) -> bool:
+    """Whether ``node`` is softmax's output past views (whole, or inductor's ``exp`` tail)."""
+    return producer_of(node) in ("aten._softmax.default", "aten._safe_softmax.default", "aten.exp.default")
 
 
 def _reads_sign_only(node: Any) -> bool:

@@ -34,7 +34,8 @@ import torch
 from daf.config import Config
 from daf.format import dense_order, mask_bytes, payload_bytes, restore_memory_order
 from daf.report import SiteRow
-from daf.runtime.graph_rules import Decision, GraphWidths, Readers, decide, producer_of, readers_of
+from daf.runtime.graph_rules import (Decision, GraphWidths, Readers, decide, producer_of, readers_of,
+                                     values_of_probabilities)
 
 __all__ = ["GraphSaves", "in_graph_hooks", "in_graph_limits"]
 
@@ -107,7 +108,8 @@ def _codec(config: Config, widths: GraphWidths,
     def daf_pack(x: torch.Tensor) -> Any:
         order = dense_order(x)
         graph, node, readers = _trace_context()
-        decision = (decide(x, producer_of(node) if node is not None else None, readers, widths, config)
+        decision = (decide(x, producer_of(node) if node is not None else None, readers, widths, config,
+                           values=node is not None and values_of_probabilities(node))
                     if order is not None else Decision("raw", None, _STRIDED))
         if saves is not None and node is not None:
             saves.record(graph, _row(node, x, decision, group_size))

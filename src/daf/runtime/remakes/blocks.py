@@ -303,7 +303,7 @@ def _evaluate(expression: Any, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.
         child, owned = _evaluate(expression.child, leaves)
         return (torch.relu_(child) if owned else torch.relu(child)).mul_(leaves[expression.mask]), True
     if isinstance(expression, _Add):
-        (left, left_owned), (right, right_owned) = _evaluate(expression.left, leaves), _evaluate(expression.right, leaves)
+        (left, left_owned), (right, _) = _evaluate(expression.left, leaves), _evaluate(expression.right, leaves)
         if left_owned and left.shape == torch.broadcast_shapes(left.shape, right.shape):
             return left.add_(right, alpha=expression.alpha), True
         return torch.add(left, right, alpha=expression.alpha), True
