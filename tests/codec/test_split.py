@@ -129,3 +129,48 @@ def test_split_means_of_a_short_last_run():
     values = torch.arange(10.0)
     assert torch.equal(split_means(values, 4), torch.tensor([1.5, 5.5, 8.5]))
     assert split_means(values[:0], 4).numel() == 0
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) if isinstance(getattr(a, f), torch.Tensor)
+               else getattr(a, f) == getattr(b, f)
+               for f in ("payload", "shape", "order", "dtype", "bits", "group_size", "full_shape", "full_order",
+                         "negative_means")) and ((a.exc_index is None) == (b.exc_index is None))
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.sampled_from([(7,), (3, 5, 11, 13), (2, 8, 16, 16), (5000,)]),
+       layout=st.sampled_from(["contiguous", "channels_last"]), held_group=st.sampled_from([16, 64, 256]),
+       chunk=st.sampled_from([1, 256, 1000, 1 << 20]), seed=st.integers(0, 2**16), special=st.booleans())
+def test_splitting_held_codes_chunk_by_chunk_is_splitting_them_decoded_whole(shape, layout, held_group, chunk, seed,
+                                                                              special):
+    """``encode_split_codes`` decodes the held 8-bit codes a chunk at a time into the two halves; the record is the
+    one ``encode_split`` makes from the whole tensor decoded, byte for byte (exceptions, a short last group and
+    chunks of one group included)."""
+    from daf.codec.split import encode_split_codes
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3
+    if special and x.numel() > 3:
+        x.view(-1)[1], x.view(-1)[2] = float("nan"), 1e38  # exceptions of the held codes
+    if layout == "channels_last" and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    codecs = Codecs(Config(rounding="nearest", group_size=held_group))
+    held = codecs.encode_held(x, 8)
+    relu = encode_relu_mask(torch.relu(codecs.decode(held)))
+    spec = Spec(4)
+    whole = encode_split(codecs.decode(held), relu, lambda flat: _codecs().encode("codes", flat, spec), GROUP)
+    chunked = encode_split_codes(held, relu, codecs.decode, lambda flat: _codecs().encode("codes", flat, spec), GROUP,
+                                 chunk=chunk)
+    assert (whole is None) == (chunked is None)
+    if whole is not None:
+        assert _same(whole, chunked)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 1001])
+def test_mask_count_counts_the_set_bits_among_the_first_n(n):
+    from daf.codec.split import mask_count
+
+    bits = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.4
+    payload = encode_relu_mask(torch.where(bits, 1.0, -1.0).relu()).payload if n else torch.zeros(1, dtype=torch.uint8)
+    assert mask_count(payload, n) == int(bits.sum())

@@ -27,7 +27,7 @@ from daf.codec.minmax import decode as decode_codes
 from daf.codec.minmax import encode as encode_codes
 from daf.codec.nonzeros import decode_nonzeros
 from daf.codec.spec import Codec, Spec
-from daf.codec.split import SplitPacked, decode_split, encode_split, reencode_split
+from daf.codec.split import SplitPacked, decode_split, encode_split, encode_split_codes, reencode_split
 from daf.config import Config, Division, MinMax, Outliers, register_config_type
 from daf.format import Packed
 
@@ -136,6 +136,11 @@ class Codecs:
         """``x`` split by ``mask`` (the record of the ReLU mask after it): codes at ``spec.bits`` of the
         masked-in elements, group means of the others (``daf.codec.split``)."""
         return encode_split(x, mask, lambda flat: self._minmax.encode(flat, spec), self._config.group_size)
+
+    def encode_split_held(self, held: Packed, mask: MaskPacked, spec: Spec) -> SplitPacked | None:
+        """``encode_split`` of what ``encode_held`` codes hold, decoded a chunk at a time (never whole)."""
+        return encode_split_codes(held, mask, self.decode, lambda flat: self._minmax.encode(flat, spec),
+                                  self._config.group_size)
 
     def decode_with_mask(self, packed: Packed, mask: MaskPacked, site: str, channels_last: bool = False) -> torch.Tensor:
         """A record that needs the ReLU mask ``mask`` to decode: a split norm input, or a ReLU output's nonzeros."""

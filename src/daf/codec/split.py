@@ -24,9 +24,14 @@ from typing import ClassVar
 import torch
 
 from daf.codec.mask import MaskPacked, _ops
-from daf.format import Packed, flatten_memory_order, restore_memory_order
+from daf.format import Packed, flatten_memory_order, num_groups, restore_memory_order
 
-__all__ = ["SplitPacked", "split_means", "encode_split", "decode_split", "reencode_split"]
+__all__ = ["SplitPacked", "split_means", "encode_split", "encode_split_codes", "decode_split", "reencode_split",
+           "mask_count"]
+
+
+CHUNK_ELEMENTS = 1 << 20  # elements of held codes decoded at a time into the two halves (4 MiB of float32)
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32)
 
 
 @dataclass
@@ -72,18 +77,79 @@ def encode_split(x: torch.Tensor, mask: MaskPacked, encode_flat: Callable[[torch
     infinite element there): plain codes keep such a tensor (as exceptions). O(numel): one pass splits
     (``daf::split_by_mask``)."""
     flat, order = flatten_memory_order(x.detach())
-    if tuple(mask.shape) != tuple(x.shape) or tuple(mask.order) != order:
-        raise ValueError(f"encode_split takes a mask of x's shape {list(x.shape)} and memory order {list(order)}; "
+    _check_mask(mask, tuple(x.shape), order)
+    halves = list(_ops().split_by_mask(flat, mask.payload))
+    del flat
+    return _coded(halves, encode_flat, group_size, tuple(x.shape), order)
+
+
+def encode_split_codes(held: Packed, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor],
+                       encode_flat: Callable[[torch.Tensor], Packed], group_size: int,
+                       chunk: int = CHUNK_ELEMENTS) -> SplitPacked | None:
+    """``encode_split`` of the tensor that format-1 codes ``held`` hold, decoded ``chunk`` elements at a time
+    into the two halves: the whole tensor is never decoded at once (a held norm input decoded to float32 was
+    the split's extra at the forward's peak, 24.5 MiB on resnet18-fmnist's layer 1). Same result as
+    ``encode_split(decode(held), ...)``."""
+    shape, order, n = tuple(held.shape), tuple(held.order), held.numel
+    _check_mask(mask, shape, order)
+    # Whole groups (a power of two, 16 at least: Config), so that every chunk starts on a byte of the mask
+    rows_per_chunk = max(1, chunk // held.group_size)
+    count = mask_count(mask.payload, n)
+    device = held.payload.device
+    kept, others = torch.empty(count, dtype=held.dtype, device=device), torch.empty(n - count, dtype=held.dtype, device=device)
+    rows = held.payload.view(num_groups(n, held.group_size), -1)
+    done_kept = done_others = 0
+    for first in range(0, rows.shape[0], rows_per_chunk):
+        start, end = first * held.group_size, min(n, (first + rows_per_chunk) * held.group_size)
+        part = _rows(held, rows[first:first + rows_per_chunk], start, end)
+        k, o = _ops().split_by_mask(decode_flat(part), mask.payload[start // 8:-(-end // 8)])
+        kept[done_kept:done_kept + k.numel()] = k
+        others[done_others:done_others + o.numel()] = o
+        done_kept, done_others = done_kept + k.numel(), done_others + o.numel()
+    halves = [kept, others]
+    del kept, others
+    return _coded(halves, encode_flat, group_size, shape, order)
+
+
+def mask_count(payload: torch.Tensor, n: int) -> int:
+    """Set bits among the first ``n`` of a little-endian bit array. O(n / 8)."""
+    whole = payload[: n // 8]
+    count = int(_POPCOUNT[whole.long()].sum()) if whole.numel() else 0
+    if n % 8:
+        count += bin(int(payload[n // 8]) & ((1 << (n % 8)) - 1)).count("1")
+    return count
+
+
+def _rows(held: Packed, rows: torch.Tensor, start: int, end: int) -> Packed:
+    """Elements ``start:end`` of ``held`` (whole groups) as a ``Packed`` of their own: its rows and exceptions."""
+    index = value = None
+    if held.exc_index is not None:
+        inside = (held.exc_index >= start) & (held.exc_index < end)
+        if bool(inside.any()):
+            index, value = held.exc_index[inside] - start, held.exc_value[inside]
+    return Packed(rows.reshape(-1), (end - start,), (0,), held.dtype, held.bits, held.group_size, index, value)
+
+
+def _check_mask(mask: MaskPacked, shape: tuple[int, ...], order: tuple[int, ...]) -> None:
+    if tuple(mask.shape) != shape or tuple(mask.order) != order:
+        raise ValueError(f"encode_split takes a mask of x's shape {list(shape)} and memory order {list(order)}; "
                          f"got {list(mask.shape)}, {list(mask.order)}")
-    kept, others = _ops().split_by_mask(flat, mask.payload)
+
+
+def _coded(halves: list[torch.Tensor], encode_flat: Callable[[torch.Tensor], Packed], group_size: int,
+           shape: tuple[int, ...], order: tuple[int, ...]) -> SplitPacked | None:
+    """The record from ``halves`` = [kept, others], taken out of the list so that the others are freed once
+    their means are made, before the codes of the kept ones (the forward's peak is here)."""
+    others = halves.pop()
+    kept = halves.pop()
     means = split_means(others, group_size)
-    del others  # before the codes of the kept elements are made: the forward's peak is here
+    del others
     if not bool(torch.isfinite(means).all()):
         return None
     inner = encode_flat(kept)
     fields = {name: getattr(inner, name) for name in ("payload", "shape", "order", "dtype", "bits", "group_size",
                                                        "exc_index", "exc_value")}
-    return SplitPacked(**fields, full_shape=tuple(x.shape), full_order=order, negative_means=means)
+    return SplitPacked(**fields, full_shape=shape, full_order=order, negative_means=means)
 
 
 def decode_split(packed: SplitPacked, mask: MaskPacked, decode_flat: Callable[[Packed], torch.Tensor],

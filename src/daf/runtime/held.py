@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from daf.codec import Codecs, Spec
-from daf.format import dense_order
+from daf.format import Packed, dense_order
 from daf.memory import Store
 from daf.runtime.accounting import Accounting
 from daf.runtime.records import Saved
@@ -88,10 +88,9 @@ class HeldInputs:
             if held is None:
                 continue
             spec = dataclasses.replace(held.spec, bits=min(8, 2 * held.spec.bits))
-            x = self._codecs.decode(held.packed)
-            if splittable(x, relu_output):
+            if splittable(held.packed, relu_output):
                 mask = self._store.get(mask_record.ref) if mask is None else mask  # ReLU's bits
-                packed = self._codecs.encode_split(x, mask, spec)
+                packed = self._codecs.encode_split_held(held.packed, mask, spec)  # never decoded whole
             else:
                 packed = None
             if packed is None:
@@ -146,10 +145,14 @@ def norms_under_relu(relu_output: torch.Tensor) -> list[Any]:
     return [n for n, nr in operands if n is not None and nr == 0 and type(n).__name__ in NORM_NODES]
 
 
-def splittable(x: torch.Tensor, relu_output: torch.Tensor) -> bool:
-    """Whether ``x`` lines up element for element with the ReLU output's mask: same shape and device, both
-    dense in the same memory order."""
-    if x.shape != relu_output.shape or x.device != relu_output.device or not x.dtype.is_floating_point:
+def splittable(x: torch.Tensor | Packed, relu_output: torch.Tensor) -> bool:
+    """Whether ``x`` (a tensor, or codes of one) lines up element for element with the ReLU output's mask: same
+    shape and device, both dense in the same memory order."""
+    if isinstance(x, Packed):
+        shape, device, dtype, order = tuple(x.shape), x.payload.device, x.dtype, tuple(x.order)
+    else:
+        shape, device, dtype, order = tuple(x.shape), x.device, x.dtype, dense_order(x)
+    if shape != tuple(relu_output.shape) or device != relu_output.device or not dtype.is_floating_point:
         return False
-    order = dense_order(relu_output)
-    return order is not None and dense_order(x) == order
+    expected = dense_order(relu_output)
+    return expected is not None and order is not None and tuple(order) == tuple(expected)
