@@ -173,22 +173,14 @@ def test_a_module_compiled_and_run_before_wrap_packs_once_wrapped():
     assert _saved_by_graphs(compiled(x).square().mean()) < raw / 2.5  # dynamo compiled it again under the hooks
 
 
-class _EagerAttention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(64, 3 * 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
-        return (torch.softmax(q @ k.transpose(-1, -2), -1) @ v).transpose(1, 2).flatten(2)
-
-
 def test_eager_attentions_values_get_the_sensitive_width_in_a_graph_as_in_eager():
+    from tests.runtime.remakes.test_table import EagerAttention
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = daf.wrap(torch.compile(_EagerAttention(), backend="aot_eager"), min_numel=1024)
+        model = daf.wrap(torch.compile(EagerAttention(), backend="aot_eager"), min_numel=1024)
     model(torch.randn(4, 32, 64)).square().mean().backward()
     values = [row for row in daf.report(model).rows if "other operand of softmax's probabilities" in row.why]
     rows = [(r.site, r.why) for r in daf.report(model).rows]
