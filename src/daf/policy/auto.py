@@ -13,6 +13,7 @@ The rules read the saving call and the tensor only: no statistics, no state, the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,17 +58,9 @@ _VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ExpandBackward0", "
                     "ReshapeAliasBackward0", "TransposeBackward0", "PermuteBackward0"})
 
 
-def _is_probabilities(t: torch.Tensor, depth: int = 5) -> bool:
+def _is_probabilities(t: torch.Tensor) -> bool:
     """Whether ``t`` is softmax's output, or that through dropout, a cast or a view."""
-    node = t.grad_fn
-    for _ in range(depth):
-        name = type(node).__name__ if node is not None else None
-        if name in _SOFTMAX:
-            return True
-        if name not in _PROBABILITIES_THROUGH or not node.next_functions:
-            return False
-        node = node.next_functions[0][0]
-    return False
+    return _walks_back_to(t.grad_fn, _PROBABILITIES_THROUGH, lambda node: type(node).__name__ in _SOFTMAX, 5)
 
 
 def values_of_probabilities(x: torch.Tensor, op: OpCall | None) -> bool:
@@ -86,15 +79,19 @@ def values_of_probabilities(x: torch.Tensor, op: OpCall | None) -> bool:
         and _descends_from(x, value.grad_fn)
 
 
-def _descends_from(x: torch.Tensor, node: object, depth: int = 6) -> bool:
+def _descends_from(x: torch.Tensor, node: object) -> bool:
     """Whether ``x`` is the output of ``node`` through views, expansions and copies."""
-    current = x.grad_fn
+    return _walks_back_to(x.grad_fn, _VIEWS, lambda current: current is node, 6)
+
+
+def _walks_back_to(node: Any, through: frozenset[str], found: Callable[[Any], bool], depth: int) -> bool:
+    """Whether ``found`` holds for ``node`` or a node behind it along first inputs, passing only ``through``."""
     for _ in range(depth):
-        if current is node:
+        if node is not None and found(node):
             return True
-        if current is None or type(current).__name__ not in _VIEWS or not current.next_functions:
+        if node is None or type(node).__name__ not in through or not node.next_functions:
             return False
-        current = current.next_functions[0][0]
+        node = node.next_functions[0][0]
     return False
 
 
