@@ -204,3 +204,57 @@ def test_attentions_reshaped_operand_without_history_is_coded_under_the_guard():
     key = [r for r in attention if r.source == "no history" and r.kind != "mask"]
     assert len(key) == 1 and (key[0].kind, key[0].bits, key[0].raw_bytes) == ("compressed", 8, 8 * 64 * 64 * 4)
     assert not [r for r in attention if r.kind == "raw"]
+
+
+class NormThenTwoAdapters(nn.Module):
+    """A norm whose output two linears read (a query's and a value's LoRA adapter): F.linear flattens it
+    for each, so autograd holds two views of one value; between them a small linear's input is decoded."""
+
+    def __init__(self, width: int = 64, rank: int = 4) -> None:
+        super().__init__()
+        self.a, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+        self.q_down, self.q_up = nn.Linear(width, rank, bias=False), nn.Linear(rank, 16, bias=False)
+        self.v_down, self.v_up = nn.Linear(width, rank, bias=False), nn.Linear(rank, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x + self.a(x))
+        return self.q_up(torch.relu(self.q_down(y))) * self.v_up(torch.relu(self.v_down(y)))
+
+
+def _counted_grads(monkeypatch, share: bool) -> tuple[torch.Tensor, int, int]:
+    import daf.runtime.session as session_module
+    import daf.tracing.products as products
+    calls = {"normalized": 0}
+    normalized = products._normalized
+
+    def counting(*args, **kwargs):
+        calls["normalized"] += 1
+        return normalized(*args, **kwargs)
+    monkeypatch.setattr(products, "_normalized", counting)
+    if not share:
+        monkeypatch.setattr(session_module.Session, "_same_value", lambda self, remake, tensor: None)
+    torch.manual_seed(0)
+    model = NormThenTwoAdapters()
+    x = torch.randn(4, 32, 64)
+    daf.wrap(model, daf.Config(bits=8, rounding="nearest", min_numel=1, audit=daf.Audit(every=0)))
+    decodes = []
+    codecs = daf.session_of(model).codecs
+    decode = codecs.decode
+
+    def counting_decode(packed, *args, **kwargs):
+        decodes.append(packed.numel)
+        return decode(packed, *args, **kwargs)
+    monkeypatch.setattr(codecs, "decode", counting_decode)
+    (model(x) * torch.linspace(-1, 1, 16)).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    norm_input_decodes = sum(1 for n in decodes if n == x.numel())
+    monkeypatch.undo()
+    return grads, calls["normalized"], norm_input_decodes
+
+
+def test_two_views_of_one_remade_norm_output_are_remade_once_and_its_input_decoded_once(monkeypatch):
+    shared, remakes, decodes = _counted_grads(monkeypatch, share=True)
+    apart, remakes_apart, decodes_apart = _counted_grads(monkeypatch, share=False)
+    assert (remakes, remakes_apart) == (1, 2)
+    assert decodes == 1  # for the remake and the norm's own backward, with the adapters' small inputs between
+    assert torch.equal(shared, apart)  # the same values either way

@@ -91,7 +91,9 @@ class Remake:
     among the records (32 for one kept raw), which bounds the remade tensor's error. ``with_statistic``:
     ``function`` returns the tensor and a statistic that the same op saved beside it (fused attention's
     logsumexp), remade together so that backward sees the two agree. ``rule``: the name of the remake rule
-    that found it (``daf.runtime.remakes``); ``why``: the report's reason (what, from which records)."""
+    that found it (``daf.runtime.remakes``); ``why``: the report's reason (what, from which records).
+    ``made_by``: the autograd node (and output number) whose value ``function`` remakes, behind views, where
+    the rule knows it: saves of one forward with the same ``made_by`` and shape are one remade tensor."""
 
     records: tuple[Any, ...]
     function: Callable[..., Any]
@@ -99,6 +101,7 @@ class Remake:
     with_statistic: bool = False
     rule: str = ""
     why: str = ""
+    made_by: tuple[Any, int] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from daf.runtime.background import BackgroundPacker
 from daf.runtime.derived import Derived, DerivedActivation, DerivedAttention, DerivedProduct, DerivedStatistic
 from daf.runtime.held import SPLIT_READERS, HeldInputs, keeps_held, norms_under_relu
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
+from daf.runtime.recent import RecentDecodes
 from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version
 from daf.runtime.remakes import ABSENT, LinearCalls, NormCalls, Remakes
 from daf.runtime.route import Context, Encoding, Kind, route
@@ -65,6 +66,9 @@ class Session:
         self._outputs: dict[tuple[int, int], tuple[Any, Saved]] = {}
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
+        # The same by the node whose value they remake, behind views (``Remake.made_by``), with shape and dtype:
+        # a second view of one remade value shares its record
+        self._values: dict[tuple[int, int], tuple[Any, tuple, DerivedActivation]] = {}
         # Linear and norm calls of this forward by their output's node, which remake rules read (a head's input
         # and weight; a norm's affine parameters, which autograd does not save)
         self.linears, self.norms = LinearCalls(), NormCalls()
@@ -80,10 +84,10 @@ class Session:
         self._parameter_storages: set[int] = set()
         self.packer = BackgroundPacker(self.codecs.serial_twin()) if config.background else None
         self._pending: list[Saved] = []
-        # The last tensor unpacked, while its record lives: a tensor saved by two ops (a ReLU
-        # output is also the next conv's input) is usually unpacked twice in a row, and this
-        # decodes it once. Holds at most one decoded tensor, dropped with its record.
-        self._recent: tuple[weakref.ref, torch.Tensor] | None = None
+        # The tensors unpacked last, while their records live: a tensor saved by two ops (a ReLU
+        # output is also the next conv's input) is usually unpacked twice close together, and this
+        # decodes it once (daf.runtime.recent: one decoded tensor and a small one beside it).
+        self._recent = RecentDecodes()
         # The same for the last remade save, apart: attention's probabilities are unpacked for p @ v
         # (through the dropped map) and again for the softmax, with v and the mask decoded between;
         # an LM's log-probabilities for nll_loss and log_softmax. Remade once each.
@@ -106,6 +110,7 @@ class Session:
         self._relu_masks.clear()
         self._outputs.clear()
         self._remade.clear()
+        self._values.clear()
         self.linears.clear()
         self.norms.clear()
         self._statistics.clear()
@@ -122,6 +127,7 @@ class Session:
         self._relu_masks.clear()
         self._outputs.clear()
         self._remade.clear()
+        self._values.clear()
         self.linears.clear()
         self.norms.clear()
         self._statistics.clear()
@@ -171,6 +177,9 @@ class Session:
             return Derived(tensor, encoding.data, context.site, Source(tensor)), 0
         if encoding.kind is Kind.DERIVED and encoding.data is context.remake:
             remake = encoding.data
+            same = self._same_value(remake, tensor)
+            if same is not None:  # another view of a value this forward remakes already: remade once for both
+                return same, 0
             self.policy.watch(context.site, tensor, remake.bits, derived=True)
             records = tuple(self._encode_head_input(r, context.site) if isinstance(r, HeadInput) else r
                             for r in remake.records)
@@ -181,6 +190,9 @@ class Session:
                 self._remake_statistic(context.op, derived)
             if tensor.grad_fn is not None:
                 self._remade[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, derived)
+            if remake.made_by is not None:
+                node, output_nr = remake.made_by
+                self._values[(id(node), output_nr)] = (node, (tuple(tensor.shape), tensor.dtype), derived)
             if not remake.with_statistic:  # saved again (log-probabilities by nll_loss, a block's output by the
                 self._shared.put(tensor, derived)  # shortcut's conv): shared, not remade twice
             return derived, 0
@@ -193,6 +205,22 @@ class Session:
         if raw and context.op is not None and context.op.is_attention_statistic(tensor):
             kept = DerivedStatistic(kept)
         return kept, tensor.numel() * tensor.element_size() if raw else 0
+
+    def _same_value(self, remake: Any, tensor: torch.Tensor) -> DerivedActivation | None:
+        """The remade save of this forward that ``tensor`` equals: made from the same value (``Remake.made_by``:
+        a norm's output that a query's and a value's LoRA flatten apart) and the same records, of ``tensor``'s
+        shape and dtype. Autograd would hold one tensor for both; remade apart, each reader would decode and
+        remake it again."""
+        if remake.made_by is None:
+            return None
+        node, output_nr = remake.made_by
+        entry = self._values.get((id(node), output_nr))
+        if entry is None or entry[0] is not node or entry[1] != (tuple(tensor.shape), tensor.dtype):
+            return None
+        derived = entry[2]
+        same_records = len(derived.records) == len(remake.records) and all(
+            a is b for a, b in zip(derived.records, remake.records))
+        return derived if same_records else None
 
     def _remake_statistic(self, op: OpCall | None, derived: DerivedAttention) -> None:
         """The logsumexp this attention call kept is remade with its output from now on (and let go)."""
@@ -372,9 +400,9 @@ class Session:
             return saved.unpack()
         saved.source.check(saved.site)
         saved.handed.check(saved.site)  # a backward that changed what the last reader got (plain raises too)
-        recent = self._recent
-        if recent is not None and recent[0]() is saved:
-            return saved.handed.hand(recent[1])
+        recent = self._recent.get(saved)
+        if recent is not None:
+            return saved.handed.hand(recent)
         if saved.ref is None:  # backward (or checkpointing) asked before the forward ended
             self._collect_pending()
         packed = self.store.get(saved.ref)
@@ -382,7 +410,7 @@ class Session:
             tensor = self.codecs.decode(packed, saved.channels_last)
         else:
             tensor = self.codecs.decode_with_mask(packed, self.store.get(saved.mask.ref), saved.site, saved.channels_last)
-        self._recent = (weakref.ref(saved, self._forget_recent), tensor)
+        self._recent.put(saved, tensor)
         return saved.handed.hand(tensor)
 
     def _remade_tensor(self, saved: DerivedActivation) -> torch.Tensor:
@@ -396,8 +424,6 @@ class Session:
         return tensor
 
     def _forget_recent(self, dead: weakref.ref) -> None:
-        if self._recent is not None and self._recent[0] is dead:
-            self._recent = None
         if self._recent_remade is not None and self._recent_remade[0] is dead:
             self._recent_remade = None
 
@@ -493,7 +519,8 @@ class Session:
             if self.packer is not None:
                 self.packer.close()
             self.policy.close()
-            self._recent = self._recent_remade = None
+            self._recent.clear()
+            self._recent_remade = None
             self._shared.clear()
             self.store.close()
 

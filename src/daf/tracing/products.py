@@ -114,11 +114,14 @@ def masked_product_of(tensor: torch.Tensor) -> MaskedProduct | None:
 @dataclass(frozen=True)
 class ActivationOutput:
     """``tensor == function(x)``: ``x`` is output ``output_nr`` of autograd node ``node`` (the activation's
-    input, which its own node saved)."""
+    input, which its own node saved). ``made_by``: the node (and output number) that made the tensor
+    ``function`` remakes, behind views: two saves with one ``made_by`` are views of one value (the same
+    norm output saved by a query's and a value's LoRA)."""
 
     node: Any
     output_nr: int
     function: Callable[[torch.Tensor], torch.Tensor]
+    made_by: tuple[Any, int] | None = None
 
 
 def activation_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
@@ -133,7 +136,7 @@ def activation_output_of(tensor: torch.Tensor) -> ActivationOutput | None:
     else:
         return None
     source, output_nr = node.next_functions[0]
-    return None if source is None else ActivationOutput(source, output_nr, function)
+    return None if source is None else ActivationOutput(source, output_nr, function, (node, tensor.output_nr))
 
 
 def _always(node: Any) -> bool:
@@ -157,7 +160,7 @@ def normalized_output_of(tensor: torch.Tensor, readable: Callable[[Any], bool] =
                                      weight=node._saved_weight, bias=node._saved_bias, shape=tuple(tensor.shape))
     except RuntimeError:  # its saves already freed (a graph backward has run through): nothing to remake from
         return None
-    return ActivationOutput(source, source_nr, function)
+    return ActivationOutput(source, source_nr, function, (node, output_nr))
 
 
 def _normalized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
@@ -176,7 +179,7 @@ def rms_normalized_output_of(tensor: torch.Tensor, readable: Callable[[Any], boo
     RMSNorm without weight), or that times a weight (a tensor without history, or a leaf: the norm's
     frozen or trained scale), and the function that remakes it from ``x`` with the saved ``r`` and weight.
     Only nodes that ``readable`` accepts have their saved tensors read (see ``normalized_output_of``)."""
-    node, _ = _behind_views(tensor)
+    node, node_nr = _behind_views(tensor)
     if type(node).__name__ != "MulBackward0" or not readable(node):
         return None
     weight = None
@@ -194,7 +197,8 @@ def rms_normalized_output_of(tensor: torch.Tensor, readable: Callable[[Any], boo
             return None
     source, source_nr, rstd = scaled
     return ActivationOutput(source, source_nr,
-                            functools.partial(_rms_normalized, rstd=rstd, weight=weight, shape=tuple(tensor.shape)))
+                            functools.partial(_rms_normalized, rstd=rstd, weight=weight, shape=tuple(tensor.shape)),
+                            (node, node_nr))
 
 
 def _rsqrt_scaling(node: Any) -> tuple[Any, int, torch.Tensor] | None:

@@ -288,7 +288,7 @@ _IN_PLACE = {"relu": torch.relu_, "silu": functools.partial(F.silu, inplace=True
 
 def _evaluate(expression: Any, leaves: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, bool]:
     """The expression's value, and whether the remake made it (so later steps may write into it). A leaf is a
-    decoded record, which the session may hand to another reader (``Session._recent``): never written. Each
+    decoded record, which the session may hand to another reader (``daf.runtime.recent``): never written. Each
     step after the first writes into what the one before made, so a block's remake holds one full-size
     temporary beside its leaves, not one per operation (resnet18-fmnist's model, split norm inputs: the
     backward's tensor peak 269 -> 245 MiB with the split's own change: benchmarks/rss_by_step.py), with

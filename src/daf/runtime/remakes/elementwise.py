@@ -24,4 +24,5 @@ class ActivationRule:
         x = records.record_of(found.node, found.output_nr)
         if x is None:
             return None
-        return Remake((x,), found.function, x.bits, rule=self.name, why=f"{self.name}: remade from {x.site}")
+        return Remake((x,), found.function, x.bits, rule=self.name, why=f"{self.name}: remade from {x.site}",
+                      made_by=found.made_by)
