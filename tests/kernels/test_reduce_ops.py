@@ -39,7 +39,27 @@ def test_kernel_is_the_reference(extension, rows, cols, seed, special):
         assert same(want, m.abs().amax(0))  # the statement itself, for the record
 
 
-@pytest.mark.parametrize("shape", [(512, 1536), (1520, 512), (3, 100_000)])
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(600, 5000), cols=st.integers(1, 300), threads=st.sampled_from([2, 3, 5]),
+       seed=st.integers(0, 2**16), special=st.floats(0, 0.01))
+def test_tall_narrow_matrices_cut_into_row_chunks_are_the_reference(extension, rows, cols, threads, seed, special):
+    """Fewer column blocks than threads: the rows are cut into chunks whose maxima are combined after; a
+    NaN or the largest value in any chunk, with chunks that do not divide the rows."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(rows, cols, generator=g)
+    pick = torch.rand(rows, cols, generator=g) < special
+    m[pick] = torch.tensor(SPECIAL)[torch.randint(len(SPECIAL), (int(pick.sum()),), generator=g)]
+    m[int(torch.randint(rows, (1,), generator=g))] *= 1e4  # the largest values in one row of some chunk
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = reduce_ops.column_absmax(m)
+    finally:
+        torch.set_num_threads(before)
+    assert same(got, reference(m))
+
+
+@pytest.mark.parametrize("shape", [(512, 1536), (1520, 512), (3, 100_000), (47616, 32), (3968, 384)])
 def test_the_shapes_the_outliers_codec_reduces(extension, shape):
     m = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
     m[-1, -1] = float("nan")  # the last element of the last block

@@ -12,33 +12,56 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace daf {
 namespace columns {
 
 constexpr int64_t kColumns = 256;  // columns per work unit: their maxima stay in L1 across the rows
+constexpr int64_t kChunkElements = 1 << 15;  // rows are cut into chunks of at least this many elements
+
+// The NaN-keeping maximum: a NaN, once taken, stays (no value compares above NaN), as torch.maximum.
+inline float keep_max(float peak, float a) { return (a > peak || a != a) ? a : peak; }
+
+// peak[j] = max over rows [r0, r1) of |m[r][c0 + j]|, j < n (0 for no rows).
+inline void block_peaks(const float* m, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t n, float* peak) {
+  std::fill(peak, peak + n, 0.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* row = m + r * cols + c0;
+    for (int64_t j = 0; j < n; ++j) peak[j] = keep_max(peak[j], std::fabs(row[j]));
+  }
+}
 
 // out[c] = max over r of |m[r][c]| for m [rows, cols] (rows >= 1); NaN where the column holds a NaN.
-// The running maximum takes a NaN and then keeps it (no value compares above NaN), as
-// torch.maximum propagates it. One pass over m; each thread owns whole blocks of columns.
+// One pass over m. Each work unit is a block of columns over a chunk of rows: a matrix with fewer column
+// blocks than threads (attention's q, k, v: 32-64 columns; a MiniLM norm input: 384) has its rows cut
+// into chunks, one per thread, whose maxima are combined after (the maximum is the same in any order),
+// where one block of columns used to run on one thread.
 inline void absmax(const float* m, int64_t rows, int64_t cols, float* out) {
   const int64_t blocks = (cols + kColumns - 1) / kColumns;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rows * kColumns));
-  at::parallel_for(0, blocks, grain, [&](int64_t first, int64_t last) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = blocks >= threads ? 1
+      : std::max<int64_t>(1, std::min<int64_t>(threads, rows * cols / kChunkElements));
+  const int64_t per = (rows + chunks - 1) / chunks;
+  std::vector<float> partial(static_cast<size_t>(chunks == 1 ? 0 : chunks * cols));
+  float* target = chunks == 1 ? out : partial.data();
+  const int64_t grain = chunks > 1 ? 1 : std::max<int64_t>(1, 32768 / std::max<int64_t>(1, rows * kColumns));
+  at::parallel_for(0, chunks * blocks, grain, [&](int64_t first, int64_t last) {
     alignas(64) float peak[kColumns];
-    for (int64_t b = first; b < last; ++b) {
+    for (int64_t u = first; u < last; ++u) {
+      const int64_t chunk = u / blocks, b = u % blocks;
       const int64_t c0 = b * kColumns, n = std::min(kColumns, cols - c0);
-      std::fill(peak, peak + n, 0.0f);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* row = m + r * cols + c0;
-        for (int64_t j = 0; j < n; ++j) {
-          const float a = std::fabs(row[j]);
-          peak[j] = (a > peak[j] || a != a) ? a : peak[j];
-        }
-      }
-      std::memcpy(out + c0, peak, n * sizeof(float));
+      const int64_t r0 = std::min(rows, chunk * per), r1 = std::min(rows, r0 + per);
+      block_peaks(m, cols, r0, r1, c0, n, peak);
+      std::memcpy(target + chunk * cols + c0, peak, n * sizeof(float));
     }
   });
+  if (chunks == 1) return;
+  for (int64_t c = 0; c < cols; ++c) {
+    float p = partial[c];
+    for (int64_t k = 1; k < chunks; ++k) p = keep_max(p, partial[k * cols + c]);
+    out[c] = p;
+  }
 }
 
 }  // namespace columns
