@@ -33,14 +33,14 @@ inline void block_peaks(const float* m, int64_t cols, int64_t r0, int64_t r1, in
 }
 
 // out[c] = max over r of |m[r][c]| for m [rows, cols] (rows >= 1); NaN where the column holds a NaN.
-// One pass over m. Each work unit is a block of columns over a chunk of rows: a matrix with fewer column
-// blocks than threads (attention's q, k, v: 32-64 columns; a MiniLM norm input: 384) has its rows cut
-// into chunks, one per thread, whose maxima are combined after (the maximum is the same in any order),
-// where one block of columns used to run on one thread.
+// One pass over m. Each work unit is a block of columns over a chunk of rows: a matrix with fewer than
+// four column blocks per thread (attention's q, k, v: 32-64 columns, one block; a MiniLM norm input: 384,
+// a block and a half) has its rows cut into chunks, one per thread, whose maxima are combined after (the
+// maximum is the same in any order): whole blocks alone left threads idle or unevenly loaded.
 inline void absmax(const float* m, int64_t rows, int64_t cols, float* out) {
   const int64_t blocks = (cols + kColumns - 1) / kColumns;
   const int64_t threads = at::get_num_threads();
-  const int64_t chunks = blocks >= threads ? 1
+  const int64_t chunks = blocks >= 4 * threads ? 1
       : std::max<int64_t>(1, std::min<int64_t>(threads, rows * cols / kChunkElements));
   const int64_t per = (rows + chunks - 1) / chunks;
   std::vector<float> partial(static_cast<size_t>(chunks == 1 ? 0 : chunks * cols));
