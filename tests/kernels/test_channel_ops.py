@@ -46,7 +46,7 @@ def split_of(cols: int, outliers: int, seed: int) -> tuple[torch.Tensor, torch.T
 
 def test_the_ops_have_a_default_and_a_cpu_kernel(extension):
     assert channel_ops.native_registered()
-    for op in ("daf::channel_split", "daf::channel_join"):
+    for op in ("daf::channel_split", "daf::channel_join", "daf::channel_decode_join"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CompositeExplicitAutograd")
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")
 
@@ -126,3 +126,45 @@ def test_opcheck(extension, dtype):
     torch.library.opcheck(torch.ops.daf.channel_split.default, (m, inliers))
     coded, scale = channel_ops.channel_split(m, inliers)
     torch.library.opcheck(torch.ops.daf.channel_join.default, (coded, scale, inliers, outliers, m.index_select(1, outliers)))
+
+
+def decode_join_reference(payload, bits_, group_size, scale, inliers, outliers, values):
+    return torch.ops.daf.channel_decode_join.default._op_dk(DEFAULT, payload, bits_, group_size, scale, inliers,
+                                                            outliers, values)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 400), cols=st.integers(2, 200), outliers=st.integers(0, 6), width=st.sampled_from([1, 2, 4, 8]),
+       group=st.sampled_from([8, 16, 32, 64, 128, 256]), stochastic=st.booleans(), seed=st.integers(0, 2**16),
+       special=st.sampled_from([0.0, 0.01]))
+def test_decode_join_is_decode_then_join_bit_for_bit(extension, rows, cols, outliers, width, group, stochastic, seed,
+                                                     special):
+    """Tokens that are and are not a multiple of 8 (the kernel's condition), groups shorter and longer than its
+    64-token blocks and not aligned with a channel's tokens, every width, rows of zeros and outliers' NaN."""
+    if group * width % 8:
+        group = 8
+    m = matrix(rows, cols, seed, special, torch.float32)
+    inliers, out = split_of(cols, min(outliers, cols - 1), seed)
+    coded, scale = channel_ops.channel_split(m, inliers)
+    payload, ok = torch.ops.daf.format1_encode(coded.nan_to_num(0.0, 0.0, 0.0), width, group, stochastic, seed)
+    values = m.index_select(1, out)
+    restored = channel_ops.channel_decode_join(payload, width, group, scale, inliers, out, values)
+    want = decode_join_reference(payload, width, group, scale, inliers, out, values)
+    assert restored.dtype == torch.float32 and restored.shape == (rows, cols)
+    assert torch.equal(bits(restored), bits(want))
+
+
+def test_decode_join_at_the_workloads_shapes_and_its_checks(extension):
+    for rows, cols in ((1984, 384), (3968, 1536), (512, 576)):
+        m = matrix(rows, cols, seed=rows, special=0.0, dtype=torch.float32)
+        inliers, out = split_of(cols, max(1, cols // 100), 0)
+        coded, scale = channel_ops.channel_split(m, inliers)
+        payload, _ = torch.ops.daf.format1_encode(coded, 4, 128, False, 7)
+        values = m.index_select(1, out)
+        args = (payload, 4, 128, scale, inliers, out, values)
+        assert torch.equal(bits(channel_ops.channel_decode_join(*args)), bits(decode_join_reference(*args)))
+    with pytest.raises(ValueError, match="each of .* channels once"):
+        channel_ops.channel_decode_join(payload, 4, 128, scale, inliers, out.clamp(max=0), values)
+    with pytest.raises(ValueError, match="payload must be uint8"):
+        channel_ops.channel_decode_join(payload[:-1], 4, 128, scale, inliers, out, values)
+    torch.library.opcheck(torch.ops.daf.channel_decode_join.default, (payload, 4, 128, scale, inliers, out, values))

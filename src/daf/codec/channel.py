@@ -189,6 +189,23 @@ def join_channels(coded: torch.Tensor, index: torch.Tensor, values: torch.Tensor
     return out.view(full_shape)
 
 
+def _joins_from_payload(packed: ChannelPacked) -> bool:
+    """Whether the join can read the coded matrix from its payload (``daf::channel_decode_join``): axis
+    "channel" (codes [C - k, R] in row-major order), float32 codes and outliers, no side table."""
+    return (packed.axis == "channel" and packed.exc_index is None and packed.dtype == torch.float32
+            and packed.order == (0, 1) and packed.outlier_values is not None
+            and packed.outlier_values.dtype == torch.float32)
+
+
+def _decoded_and_joined(packed: ChannelPacked) -> torch.Tensor:
+    """``join_channels(decode(codes), ...)`` in one op: the same bits, without the decoded matrix in between."""
+    index = packed.outlier_index
+    inliers = _inlier_channels(index, packed.full_shape[-1])
+    restored = _channel_ops().channel_decode_join(packed.payload, packed.bits, packed.group_size, packed.row_scale,
+                                                  inliers, index, packed.outlier_values)
+    return restored.view(packed.full_shape)
+
+
 def _token_group(rows: int, group_size: int) -> int:
     """Group size along the tokens of a channel: ``group_size`` if it divides ``rows``, else the largest
     power of two that does (so that no group mixes two channels), unless that is below 16."""
@@ -259,8 +276,9 @@ class ChannelCodec:
         if isinstance(packed, DerivativePacked):
             return self.derivative.decode(packed)
         if isinstance(packed, ChannelPacked):
-            x = join_channels(self.minmax.decode(packed.codes()), packed.outlier_index, packed.outlier_values,
-                              packed.full_shape, packed.axis, packed.row_scale)
+            x = _decoded_and_joined(packed) if _joins_from_payload(packed) else join_channels(
+                self.minmax.decode(packed.codes()), packed.outlier_index, packed.outlier_values, packed.full_shape,
+                packed.axis, packed.row_scale)
             return x if packed.channel_dim == -1 else x.movedim(-1, packed.channel_dim)
         return self.minmax.decode(packed)
 

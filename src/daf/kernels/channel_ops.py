@@ -11,6 +11,11 @@ float16 and bfloat16 when the extension loads (``register_native``). Both give t
 - ``daf::channel_join(Tensor coded, Tensor scale, Tensor inliers, Tensor outliers, Tensor values) -> Tensor``:
   the inverse, [R, n + k] in ``values.dtype``: inlier columns ``coded.T * scale``, outlier columns
   ``values`` [R, k] (through float32, as the codec has always restored them)
+- ``daf::channel_decode_join(Tensor payload, int bits, int group_size, Tensor scale, Tensor inliers, Tensor outliers,
+  Tensor values) -> Tensor``: ``channel_join`` of the coded [n, R] float32 matrix whose format-1 payload (no
+  side table) is given, R = ``scale``'s length: the decode and the join in one pass where R is a multiple of
+  8 (the kernel decodes a block of tokens at a time into a buffer that stays in cache), bit for bit
+  ``channel_join(format1_decode(payload, ...).view(n, R), ...)``, its statement
 
 Why kernels: the statements are four to five full passes over a save each (docs/kernels.md, "Outlier
 channels"); the kernels read the save once and write the result once.
@@ -22,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["channel_split", "channel_join", "register_native", "native_registered"]
+__all__ = ["channel_split", "channel_join", "channel_decode_join", "register_native", "native_registered"]
 
 _SPLIT = "daf::channel_split"
 _JOIN = "daf::channel_join"
@@ -30,6 +35,9 @@ _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 torch.library.define(_SPLIT, "(Tensor m, Tensor inliers) -> (Tensor coded, Tensor scale)")
 torch.library.define(_JOIN, "(Tensor coded, Tensor scale, Tensor inliers, Tensor outliers, Tensor values) -> Tensor")
+_DECODE_JOIN = "daf::channel_decode_join"
+torch.library.define(_DECODE_JOIN, "(Tensor payload, int bits, int group_size, Tensor scale, Tensor inliers, "
+                                   "Tensor outliers, Tensor values) -> Tensor")
 
 
 def _check_split(m: torch.Tensor, inliers: torch.Tensor) -> None:
@@ -82,8 +90,17 @@ def _join_reference(coded: torch.Tensor, scale: torch.Tensor, inliers: torch.Ten
     return _transposed(rows).to(values.dtype)
 
 
+def _decode_join_reference(payload: torch.Tensor, bits: int, group_size: int, scale: torch.Tensor,
+                           inliers: torch.Tensor, outliers: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The decode (``daf::format1_decode``, whichever implementation it has), then the join."""
+    rows = scale.shape[0] if scale.dim() == 1 else 0
+    coded = torch.ops.daf.format1_decode(payload, inliers.numel() * rows, bits, group_size, torch.float32)
+    return torch.ops.daf.channel_join(coded.view(inliers.numel(), rows), scale, inliers, outliers, values)
+
+
 torch.library.register_kernel(_SPLIT, "default", _split_reference)
 torch.library.register_kernel(_JOIN, "default", _join_reference)
+torch.library.register_kernel(_DECODE_JOIN, "default", _decode_join_reference)
 
 
 @torch.library.register_fake(_SPLIT)
@@ -96,6 +113,11 @@ def _split_fake(m, inliers):
 def _join_fake(coded, scale, inliers, outliers, values):
     _check_join(coded, scale, inliers, outliers, values)
     return values.new_empty((coded.shape[1], inliers.shape[0] + outliers.shape[0]))
+
+
+@torch.library.register_fake(_DECODE_JOIN)
+def _decode_join_fake(payload, bits, group_size, scale, inliers, outliers, values):
+    return values.new_empty((scale.shape[0], inliers.shape[0] + outliers.shape[0]))
 
 
 def _native_split(ext: ModuleType):
@@ -141,6 +163,35 @@ def _native_join(ext: ModuleType):
     return join
 
 
+def _native_decode_join(ext: ModuleType):
+    from daf.kernels.ops import check_payload, native_takes
+
+    def decode_join(payload: torch.Tensor, bits: int, group_size: int, scale: torch.Tensor, inliers: torch.Tensor,
+                    outliers: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        rows = scale.shape[0] if scale.dim() == 1 else -1
+        tensors = (payload, scale, inliers, outliers, values)
+        takes = (all(t.is_cpu for t in tensors) and values.dtype == torch.float32 and scale.dtype == torch.float32
+                 and payload.dtype == torch.uint8 and rows >= 0 and rows % 8 == 0
+                 and native_takes(torch.float32, True, group_size))
+        if not takes:  # other shapes and dtypes: the statement, which checks them
+            return _decode_join_reference(*tensors[:1], bits, group_size, *tensors[1:])
+        _check_join(torch.empty(inliers.numel(), rows, device="meta"), scale, inliers, outliers, values)
+        check_payload(payload, inliers.numel() * rows, bits, group_size)
+        channels = inliers.numel() + outliers.numel()
+        channel = torch.cat((inliers, outliers))
+        # Every channel exactly once, or some element of out would be left unwritten.
+        if channels and not torch.equal(torch.bincount(channel, minlength=channels), torch.ones_like(channel)):
+            raise ValueError(f"channel_decode_join: inliers and outliers together must name each of {channels} "
+                             "channels once")
+        payload, scale, inliers, outliers, values = (t.contiguous() for t in tensors)
+        out = torch.empty(rows, channels, dtype=torch.float32)
+        ext.channel_decode_join(payload.data_ptr(), bits, group_size, scale.data_ptr(), rows, channels,
+                                inliers.data_ptr(), inliers.numel(), outliers.data_ptr(), values.data_ptr(),
+                                outliers.numel(), out.data_ptr())
+        return out
+    return decode_join
+
+
 def channel_split(m: torch.Tensor, inliers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(coded float32 [n, R], scale float32 [R]) of ``m`` [R, C] and its inlier channels (module docstring)."""
     return torch.ops.daf.channel_split(m, inliers)
@@ -150,6 +201,12 @@ def channel_join(coded: torch.Tensor, scale: torch.Tensor, inliers: torch.Tensor
                  values: torch.Tensor) -> torch.Tensor:
     """The [R, n + k] tensor ``channel_split`` and the outlier columns came from, in ``values.dtype``."""
     return torch.ops.daf.channel_join(coded, scale, inliers, outliers, values)
+
+
+def channel_decode_join(payload: torch.Tensor, bits: int, group_size: int, scale: torch.Tensor, inliers: torch.Tensor,
+                        outliers: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``channel_join`` of the coded matrix in the format-1 ``payload`` (module docstring)."""
+    return torch.ops.daf.channel_decode_join(payload, bits, group_size, scale, inliers, outliers, values)
 
 
 def native_registered() -> bool:
@@ -162,3 +219,4 @@ def register_native(ext: ModuleType) -> None:
     if not native_registered():
         torch.library.register_kernel(_SPLIT, "cpu", _native_split(ext))
         torch.library.register_kernel(_JOIN, "cpu", _native_join(ext))
+        torch.library.register_kernel(_DECODE_JOIN, "cpu", _native_decode_join(ext))

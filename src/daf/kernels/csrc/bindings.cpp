@@ -293,6 +293,28 @@ void column_absmax(int64_t m, int64_t rows, int64_t cols, int64_t out) {
   columns::absmax(at_address<const float>(m), rows, cols, at_address<float>(out));
 }
 
+// payload: format-1 rows of coded [n, rows] float32 (groups of group_size, rows % 8 == 0); scale: rows float32;
+// values: rows x k float32; out: rows x cols float32 (channels.h decode_join).
+void channel_decode_join(int64_t payload, int64_t bits, int64_t group_size, int64_t scale, int64_t rows, int64_t cols,
+                         int64_t inliers, int64_t n, int64_t outliers, int64_t values, int64_t k, int64_t out) {
+  if (rows < 0 || cols < 0 || n < 0 || k < 0 || n + k != cols || rows % 8 != 0)
+    throw std::invalid_argument("channel_decode_join: bad sizes (rows must be a multiple of 8)");
+  checked_layout(n * rows, bits, group_size);
+  const uint8_t* src = at_address<const uint8_t>(payload);
+  const float* s = at_address<const float>(scale);
+  const int64_t* in = at_address<const int64_t>(inliers);
+  const int64_t* outl = at_address<const int64_t>(outliers);
+  const float* v = at_address<const float>(values);
+  float* o = at_address<float>(out);
+  switch (bits) {
+    case 1: return channels::decode_join<1>(src, group_size, s, rows, cols, in, n, outl, v, k, o);
+    case 2: return channels::decode_join<2>(src, group_size, s, rows, cols, in, n, outl, v, k, o);
+    case 4: return channels::decode_join<4>(src, group_size, s, rows, cols, in, n, outl, v, k, o);
+    case 8: return channels::decode_join<8>(src, group_size, s, rows, cols, in, n, outl, v, k, o);
+  }
+  throw std::invalid_argument("bits must be 1, 2, 4 or 8, got " + std::to_string(bits));
+}
+
 // m: rows x cols contiguous elements of dtype (0 float32, 1 float16, 2 bfloat16); inliers: n int64 channel
 // numbers < cols; coded: n x rows float32; scale: rows float32 (channels.h). Returns whether an inlier is NaN.
 bool channel_split(int64_t m, int64_t rows, int64_t cols, int64_t dtype, int64_t inliers, int64_t n, int64_t coded,
@@ -381,6 +403,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("column_absmax", &daf::column_absmax, "the largest magnitude of each column, NaN where one is",
         py::call_guard<py::gil_scoped_release>());
   m.def("channel_split", &daf::channel_split, "inlier channels scaled per token, transposed; the token scales",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("channel_decode_join", &daf::channel_decode_join,
+        "channel_join of coded values read from their format-1 payload, a block of tokens at a time",
         py::call_guard<py::gil_scoped_release>());
   m.def("channel_join", &daf::channel_join, "the inverse of channel_split, outlier channels put back",
         py::call_guard<py::gil_scoped_release>());

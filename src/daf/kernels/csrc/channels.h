@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "codes.h"
 #include "transpose.h"
 
 namespace daf {
@@ -137,6 +138,25 @@ bool split(const T* m, int64_t rows, int64_t cols, const int64_t* inliers, int64
   return any_nan;
 }
 
+// Tokens [r0, r0 + count) of the output from their inlier values in rows of `buffer` [count, n]: inliers
+// scaled back, outliers from values.
+inline void place_block(const float* buffer, const float* scale, int64_t r0, int64_t count, int64_t cols,
+                        const std::vector<Run>& runs, int64_t n, const int64_t* outliers, const float* values,
+                        int64_t k, float* out) {
+  for (int64_t r = 0; r < count; ++r) {
+    const float* from = buffer + r * n;
+    const float s = scale[r0 + r];
+    float* row = out + (r0 + r) * cols;
+    for (const Run& run : runs) {
+      const float* part = from + run.offset;
+      float* to = row + run.channel;
+      for (int64_t i = 0; i < run.length; ++i) to[i] = part[i] * s;
+    }
+    const float* row_values = values + (r0 + r) * k;
+    for (int64_t i = 0; i < k; ++i) row[outliers[i]] = row_values[i];
+  }
+}
+
 // Per block of kRows tokens: coded's columns [r0, r0 + kRows) transposed into a [kRows, n] buffer, then
 // each token's row written out: inliers scaled back, outliers from values.
 inline void join(const float* coded, const float* scale, int64_t rows, int64_t cols, const int64_t* inliers, int64_t n,
@@ -149,18 +169,45 @@ inline void join(const float* coded, const float* scale, int64_t rows, int64_t c
       const int64_t r0 = b * kRows, count = std::min(kRows, rows - r0);
       transpose::move_block(reinterpret_cast<const uint32_t*>(coded + r0), rows,
                             reinterpret_cast<uint32_t*>(buffer.data()), n, 0, n, 0, count);
-      for (int64_t r = 0; r < count; ++r) {
-        const float* from = buffer.data() + r * n;
-        const float s = scale[r0 + r];
-        float* row = out + (r0 + r) * cols;
-        for (const Run& run : runs) {
-          const float* part = from + run.offset;
-          float* to = row + run.channel;
-          for (int64_t i = 0; i < run.length; ++i) to[i] = part[i] * s;
+      place_block(buffer.data(), scale, r0, count, cols, runs, n, outliers, values, k, out);
+    }
+  });
+}
+
+// The join with the decode folded in: coded [n, rows] is read from its format-1 payload (groups of
+// group_size elements in coded's row-major order), one block of kRows tokens at a time, decoded into a
+// [n, kRows] staging buffer that stays in L2 and moved from there as join moves coded's columns. The
+// decode of the whole [n, rows] matrix, written to memory and read back by the join, is gone. Needs
+// rows % 8 == 0, so that every block of every channel starts on a whole byte at any width. The values
+// are decode-then-join's bit for bit: the same decode_span per element, the same product by the scale.
+template <int BITS>
+void decode_join(const uint8_t* payload, int64_t group_size, const float* scale, int64_t rows, int64_t cols,
+                 const int64_t* inliers, int64_t n, const int64_t* outliers, const float* values, int64_t k,
+                 float* out) {
+  const int64_t row_bytes = 4 + group_size * BITS / 8;
+  const int64_t blocks = (rows + kRows - 1) / kRows;
+  const std::vector<Run> runs = runs_of(inliers, n);
+  at::parallel_for(0, blocks, grain_blocks(cols), [&](int64_t first, int64_t last) {
+    std::vector<float> staged(static_cast<size_t>(n * kRows));
+    std::vector<float> buffer(static_cast<size_t>(kRows * n));
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t r0 = b * kRows, count = std::min(kRows, rows - r0);
+      for (int64_t i = 0; i < n; ++i) {
+        float* dst = staged.data() + i * kRows;
+        for (int64_t at = i * rows + r0, end = at + count; at < end;) {
+          const int64_t g = at / group_size, offset = at - g * group_size;
+          const int64_t m = std::min(end, (g + 1) * group_size) - at;
+          const uint8_t* row = payload + g * row_bytes;
+          float lo, step;
+          read_meta(row, lo, step);
+          decode_span<BITS>(row + 4 + offset * BITS / 8, m, lo, step, dst);
+          dst += m;
+          at += m;
         }
-        const float* row_values = values + (r0 + r) * k;
-        for (int64_t i = 0; i < k; ++i) row[outliers[i]] = row_values[i];
       }
+      transpose::move_block(reinterpret_cast<const uint32_t*>(staged.data()), kRows,
+                            reinterpret_cast<uint32_t*>(buffer.data()), n, 0, n, 0, count);
+      place_block(buffer.data(), scale, r0, count, cols, runs, n, outliers, values, k, out);
     }
   });
 }
