@@ -3,10 +3,12 @@
 Per save shape and dtype: milliseconds per call of ``daf::channel_split`` and ``daf::channel_join`` on the
 CPU kernels and on the statement (their default implementation), alternated call by call, medians of
 ``--repeats``; and the whole ``ChannelCodec`` encode and decode (2 bits) against a plain format-1 encode
-and decode of the same save, for scale. ``--clock cpu`` (the default) reads this process's CPU time, which
+and decode of the same save, for scale; and the codec's decode against the two steps it took before the join
+read its codes from the payload (``decode then join``). ``--clock cpu`` (the default) reads this process's CPU time, which
 other jobs on a loaded machine inflate less than the wall clock (use ``--threads 1``).
 
     python benchmarks/channel_split.py --threads 1 --json docs/results/channel_split_20261128.json
+    python benchmarks/channel_split.py --clock wall --json docs/results/channel_decode_join_20261128.json
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import torch
 
 import daf
 from daf.codec import Spec, codes_codec
+from daf.codec.channel import join_channels
 from daf.config import Outliers
 from daf.kernels import channel_ops
 from daf.kernels.build import load_extension
 
 SHAPES = [((32, 64, 384), torch.float32), ((8, 256, 576), torch.float32), ((8, 256, 1536), torch.float32),
-          ((8, 256, 576), torch.bfloat16)]
+          ((8, 256, 576), torch.bfloat16), ((32, 62, 384), torch.float32), ((32, 62, 1536), torch.float32),
+          ((8, 64, 576), torch.float32)]
 _DEFAULT = torch._C.DispatchKey.CompositeExplicitAutograd
 
 
@@ -70,10 +74,18 @@ def measure(shape: tuple[int, ...], dtype: torch.dtype, repeats: int, now) -> di
         "join statement": lambda: join_plainly(coded, scale, inliers, outliers, values),
         "codec encode": lambda: codec.encode(x, spec),
         "codec decode": lambda: codec.decode(packed),
+        "decode then join": lambda: _decode_then_join(codec, packed),
         "format-1 encode": lambda: codec.minmax.encode(x, spec),
         "format-1 decode": lambda: codec.minmax.decode(plain),
     }, repeats, now)
     return {"shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "ms": times}
+
+
+def _decode_then_join(codec, packed) -> torch.Tensor:
+    """The restore before ``daf::channel_decode_join`` (which ``codec decode`` uses where it applies): the
+    format-1 decode of the coded matrix into memory, then the join reading it."""
+    return join_channels(codec.minmax.decode(packed.codes()), packed.outlier_index, packed.outlier_values,
+                         packed.full_shape, packed.axis, packed.row_scale)
 
 
 def main() -> None:
