@@ -47,3 +47,29 @@ def test_a_record_of_equal_bytes_is_not_mistaken_for_another():
     assert cache.get(b) is None
     cache.clear()
     assert cache.get(a) is None and len(cache) == 0
+
+
+def test_threads_never_get_another_records_tensor():
+    """Backward may unpack on several threads (two backward calls at once): whatever the interleaving, a
+    record gets its own decoded tensor or none, never another's. Decodes are torch ops (the GIL released)."""
+    import threading
+
+    cache, failures = RecentDecodes(), []
+    records = [Record() for _ in range(8)]
+    tensors = [torch.full((256 if i % 2 else 8,), float(i)) for i in range(8)]
+
+    def work(offset: int) -> None:
+        for step in range(3000):
+            i = (step * 3 + offset) % 8
+            cache.put(records[i], tensors[i] + 0)  # a fresh tensor: an op that releases the GIL
+            j = (step + offset) % 8
+            got = cache.get(records[j])
+            if got is not None and float(got[0]) != j:
+                failures.append((j, float(got[0])))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
