@@ -258,3 +258,22 @@ def test_two_views_of_one_remade_norm_output_are_remade_once_and_its_input_decod
     assert (remakes, remakes_apart) == (1, 2)
     assert decodes == 1  # for the remake and the norm's own backward, with the adapters' small inputs between
     assert torch.equal(shared, apart)  # the same values either way
+
+
+def test_a_shared_remade_norm_output_under_the_adaptive_policy():
+    """The adaptive policy weighs what each call saved by site: the second view is weighed under the first
+    save's site, which it watched, over steps that replan."""
+    torch.manual_seed(0)
+    model, plain = NormThenTwoAdapters(), NormThenTwoAdapters()
+    plain.load_state_dict(model.state_dict())
+    daf.wrap(model, daf.Config(policy=daf.Adaptive(average=4.0, replan_every=2), min_numel=1,
+                               audit=daf.Audit(every=0)))
+    for _ in range(5):
+        x = torch.randn(4, 32, 64)
+        for m in (model, plain):
+            m.zero_grad()
+            (m(x) * torch.linspace(-1, 1, 16)).sum().backward()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    want = torch.cat([p.grad.flatten() for p in plain.parameters()])
+    assert F.cosine_similarity(got, want, dim=0) > 0.95
+    assert daf.report(model).sections["policy"]["plans"] >= 1

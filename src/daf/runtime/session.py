@@ -383,7 +383,7 @@ class Session:
         elif encoding.kind is Kind.SHARED and isinstance(saved, Saved):
             op.saves.append((saved.site, tensor))
         elif isinstance(saved, DerivedActivation):  # what the plan weighs when it gives this site more bits
-            op.saves.append((site, tensor))
+            op.saves.append((saved.site, tensor))  # the first save's site where a second view shares it
         elif encoding == Encoding(Kind.RAW) and tensor.dtype.is_floating_point:
             op.saves.append((site, tensor))
 
