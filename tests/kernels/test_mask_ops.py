@@ -375,6 +375,7 @@ def test_fake_shapes(extension):
     ("relu_mask_encode", lambda: (floats(1001, torch.float32, 0),)),
     ("mask_encode", lambda: ((torch.rand(1001) < 0.5).float(),)),
     ("mask_unpack", lambda: (torch.randint(0, 256, (126,), dtype=torch.uint8), 1001)),
+    ("mask_count", lambda: (torch.randint(0, 256, (126,), dtype=torch.uint8), 1001)),
     ("mask_select", lambda: (torch.randint(0, 256, (126,), dtype=torch.uint8), 1001, torch.tensor([0.5, -2.0]))),
     ("mask_scatter", lambda: (torch.ones(500), torch.tensor([0x55] * 125, dtype=torch.uint8), 1000)),
     ("relu_nonzeros", lambda: (floats(1001, torch.float32, 0, 0.0).relu(),)),  # a size that depends on the data
@@ -386,3 +387,18 @@ def test_fake_shapes(extension):
 ])
 def test_opcheck(extension, name, args):
     torch.library.opcheck(getattr(torch.ops.daf, name).default, args())
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 5000), seed=st.integers(0, 2**16), density=st.floats(0, 1))
+def test_mask_count_is_the_reference(extension, n, seed, density):
+    """Across the kernel's words and a last byte with bits past ``n`` set (they do not count)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.rand(n, generator=g) < density
+    packed = torch_bits(bits)
+    if n % 8:
+        packed[-1] |= 0xFF << (n % 8) & 0xFF  # garbage past the end
+    want = int(bits.sum())
+    assert int(native("mask_count", packed, n)) == want
+    assert int(default("mask_count", packed, n)) == want
+    assert native("mask_count", packed, n).dtype == torch.int64

@@ -31,7 +31,6 @@ __all__ = ["SplitPacked", "split_means", "encode_split", "encode_split_codes", "
 
 
 CHUNK_ELEMENTS = 1 << 20  # elements of held codes decoded at a time into the two halves (4 MiB of float32)
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32)
 
 
 @dataclass
@@ -112,12 +111,8 @@ def encode_split_codes(held: Packed, mask: MaskPacked, decode_flat: Callable[[Pa
 
 
 def mask_count(payload: torch.Tensor, n: int) -> int:
-    """Set bits among the first ``n`` of a little-endian bit array. O(n / 8)."""
-    whole = payload[: n // 8]
-    count = int(_POPCOUNT[whole.long()].sum()) if whole.numel() else 0
-    if n % 8:
-        count += bin(int(payload[n // 8]) & ((1 << (n % 8)) - 1)).count("1")
-    return count
+    """Set bits among the first ``n`` of a little-endian bit array (``daf::mask_count``). O(n / 8)."""
+    return int(_ops().mask_count(payload[: -(-n // 8)], n))
 
 
 def _rows(held: Packed, rows: torch.Tensor, start: int, end: int) -> Packed:

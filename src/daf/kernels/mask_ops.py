@@ -12,6 +12,7 @@ same bytes. All tensors are flat and contiguous, in memory order.
   element that differs from ``x[0]``; 0 when none does), -1 when ``x`` holds three or more: whether
   ``x`` can be a mask at all, in one pass without temporaries
 - ``daf::mask_unpack(Tensor bits, SymInt numel) -> Tensor``: bool [numel]
+- ``daf::mask_count(Tensor bits, SymInt numel) -> Tensor``: int64 [], the set bits among the first ``numel``
 - ``daf::mask_select(Tensor bits, SymInt numel, Tensor values) -> Tensor``: ``values[bit]``, bitwise
 - ``daf::mask_select_channels_last(Tensor bits, SymInt[] shape, Tensor values) -> Tensor``: ``mask_select``
   of a 4-D [n, c, h, w] record whose bits are in NCHW order, returned channels-last (a restored ReLU
@@ -43,13 +44,14 @@ from daf.kernels.mask_reference import INT_VIEW, check_count, mask_bytes
 
 __all__ = ["register_native", "native_registered", "MASK_OPS"]
 
-MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_second", "mask_unpack", "mask_select", "mask_select_channels_last",
+MASK_OPS = ("relu_mask_encode", "mask_encode", "mask_second", "mask_unpack", "mask_count", "mask_select", "mask_select_channels_last",
             "relu_nonzeros", "mask_scatter", "nonzeros_decode_scatter", "split_by_mask", "split_decode")
 _SCHEMAS = {
     "relu_mask_encode": "(Tensor x) -> Tensor",
     "mask_encode": "(Tensor x) -> Tensor",
     "mask_second": "(Tensor x) -> Tensor",
     "mask_unpack": "(Tensor bits, SymInt numel) -> Tensor",
+    "mask_count": "(Tensor bits, SymInt numel) -> Tensor",
     "mask_select": "(Tensor bits, SymInt numel, Tensor values) -> Tensor",
     "mask_select_channels_last": "(Tensor bits, SymInt[] shape, Tensor values) -> Tensor",
     "relu_nonzeros": "(Tensor x) -> (Tensor values, Tensor ok)",
@@ -122,6 +124,11 @@ def _mask_unpack(bits: torch.Tensor, numel: int) -> torch.Tensor:
     return reference.mask_unpack(bits, numel)
 
 
+def _mask_count(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    _check_bits(bits, numel)
+    return reference.mask_count(bits, numel)
+
+
 def _mask_select(bits: torch.Tensor, numel: int, values: torch.Tensor) -> torch.Tensor:
     _check_bits(bits, numel)
     _check_values(values)
@@ -191,7 +198,7 @@ def _split_decode(payload: torch.Tensor, count: int, bits: int, group_size: int,
 
 
 _DEFAULTS = {"relu_mask_encode": _relu_mask_encode, "mask_encode": _mask_encode, "mask_second": _mask_second,
-             "mask_unpack": _mask_unpack,
+             "mask_unpack": _mask_unpack, "mask_count": _mask_count,
              "mask_select": _mask_select, "mask_select_channels_last": _mask_select_channels_last,
              "relu_nonzeros": _relu_nonzeros, "mask_scatter": _mask_scatter,
              "nonzeros_decode_scatter": _nonzeros_decode_scatter, "split_by_mask": _split_by_mask,
@@ -220,6 +227,11 @@ def _mask_second_fake(x):
 @torch.library.register_fake("daf::mask_unpack")
 def _mask_unpack_fake(bits, numel):
     return bits.new_empty(numel, dtype=torch.bool)
+
+
+@torch.library.register_fake("daf::mask_count")
+def _mask_count_fake(bits, numel):
+    return bits.new_empty((), dtype=torch.int64)
 
 
 @torch.library.register_fake("daf::mask_select")
@@ -368,6 +380,12 @@ def _native_kernels(ext: ModuleType) -> dict:
         check_count(set_bits, count)
         return out
 
+    def mask_count(bits: torch.Tensor, numel: int) -> torch.Tensor:
+        _check_bits(bits, numel)
+        if not bits.is_cpu:
+            return reference.mask_count(bits, numel)
+        return torch.tensor(ext.mask_count(bits.contiguous().data_ptr(), numel) if numel else 0, dtype=torch.int64)
+
     def split_by_mask(x: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _flat(x, "x")
         _check_bits(bits, x.numel())
@@ -395,7 +413,7 @@ def _native_kernels(ext: ModuleType) -> dict:
         return out
 
     return {"relu_mask_encode": relu_mask_encode, "mask_encode": mask_encode, "mask_second": mask_second,
-            "mask_unpack": mask_unpack,
+            "mask_unpack": mask_unpack, "mask_count": mask_count,
             "mask_select": mask_select, "mask_select_channels_last": mask_select_channels_last,
             "relu_nonzeros": relu_nonzeros, "mask_scatter": mask_scatter,
             "nonzeros_decode_scatter": nonzeros_decode_scatter, "split_by_mask": split_by_mask,

@@ -85,6 +85,11 @@ def mask_unpack(bits: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
+def mask_count(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """The set bits among the first ``numel``: int64 []. O(numel)."""
+    return mask_unpack(bits, numel).sum(dtype=torch.int64)
+
+
 def mask_select(bits: torch.Tensor, numel: int, values: torch.Tensor) -> torch.Tensor:
     """``values[bit]`` per element: values [2] (low, high) of a dtype in ``INT_VIEW``, copied bitwise
     -> values.dtype [numel]. O(numel)."""
