@@ -222,8 +222,8 @@ class NormThenTwoAdapters(nn.Module):
 
 
 def _counted_grads(monkeypatch, share: bool) -> tuple[torch.Tensor, int, int]:
-    import daf.runtime.session as session_module
     import daf.tracing.products as products
+    from daf.runtime.remade import RemadeValues
     calls = {"normalized": 0}
     normalized = products._normalized
 
@@ -232,7 +232,7 @@ def _counted_grads(monkeypatch, share: bool) -> tuple[torch.Tensor, int, int]:
         return normalized(*args, **kwargs)
     monkeypatch.setattr(products, "_normalized", counting)
     if not share:
-        monkeypatch.setattr(session_module.Session, "_same_value", lambda self, remake, tensor: None)
+        monkeypatch.setattr(RemadeValues, "get", lambda self, remake, tensor: None)
     torch.manual_seed(0)
     model = NormThenTwoAdapters()
     x = torch.randn(4, 32, 64)

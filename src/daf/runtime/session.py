@@ -26,6 +26,7 @@ from daf.runtime.derived import Derived, DerivedActivation, DerivedAttention, De
 from daf.runtime.held import SPLIT_READERS, HeldInputs, keeps_held, norms_under_relu
 from daf.runtime.layout import reads_any_layout, restores_channels_last, restores_raw_channels_last
 from daf.runtime.recent import RecentDecodes
+from daf.runtime.remade import RemadeValues
 from daf.runtime.records import NO_CHECK, HeadInput, Kept, Saved, Source, check_version
 from daf.runtime.remakes import ABSENT, LinearCalls, NormCalls, Remakes
 from daf.runtime.route import Context, Encoding, Kind, route
@@ -66,9 +67,8 @@ class Session:
         self._outputs: dict[tuple[int, int], tuple[Any, Saved]] = {}
         # Remade saves of this forward by the same key: attention's probabilities, which dropout multiplies
         self._remade: dict[tuple[int, int], tuple[Any, DerivedActivation]] = {}
-        # The same by the node whose value they remake, behind views (``Remake.made_by``), with shape and dtype:
-        # a second view of one remade value shares its record
-        self._values: dict[tuple[int, int], tuple[Any, tuple, DerivedActivation]] = {}
+        # The same by the value they remake (daf.runtime.remade): a second view of it shares the record
+        self._values = RemadeValues()
         # Linear and norm calls of this forward by their output's node, which remake rules read (a head's input
         # and weight; a norm's affine parameters, which autograd does not save)
         self.linears, self.norms = LinearCalls(), NormCalls()
@@ -177,7 +177,7 @@ class Session:
             return Derived(tensor, encoding.data, context.site, Source(tensor)), 0
         if encoding.kind is Kind.DERIVED and encoding.data is context.remake:
             remake = encoding.data
-            same = self._same_value(remake, tensor)
+            same = self._values.get(remake, tensor)
             if same is not None:  # another view of a value this forward remakes already: remade once for both
                 return same, 0
             self.policy.watch(context.site, tensor, remake.bits, derived=True)
@@ -190,9 +190,7 @@ class Session:
                 self._remake_statistic(context.op, derived)
             if tensor.grad_fn is not None:
                 self._remade[(id(tensor.grad_fn), tensor.output_nr)] = (tensor.grad_fn, derived)
-            if remake.made_by is not None:
-                node, output_nr = remake.made_by
-                self._values[(id(node), output_nr)] = (node, (tuple(tensor.shape), tensor.dtype), derived)
+            self._values.put(remake, tensor, derived)
             if not remake.with_statistic:  # saved again (log-probabilities by nll_loss, a block's output by the
                 self._shared.put(tensor, derived)  # shortcut's conv): shared, not remade twice
             return derived, 0
@@ -205,22 +203,6 @@ class Session:
         if raw and context.op is not None and context.op.is_attention_statistic(tensor):
             kept = DerivedStatistic(kept)
         return kept, tensor.numel() * tensor.element_size() if raw else 0
-
-    def _same_value(self, remake: Any, tensor: torch.Tensor) -> DerivedActivation | None:
-        """The remade save of this forward that ``tensor`` equals: made from the same value (``Remake.made_by``:
-        a norm's output that a query's and a value's LoRA flatten apart) and the same records, of ``tensor``'s
-        shape and dtype. Autograd would hold one tensor for both; remade apart, each reader would decode and
-        remake it again."""
-        if remake.made_by is None:
-            return None
-        node, output_nr = remake.made_by
-        entry = self._values.get((id(node), output_nr))
-        if entry is None or entry[0] is not node or entry[1] != (tuple(tensor.shape), tensor.dtype):
-            return None
-        derived = entry[2]
-        same_records = len(derived.records) == len(remake.records) and all(
-            a is b for a, b in zip(derived.records, remake.records))
-        return derived if same_records else None
 
     def _remake_statistic(self, op: OpCall | None, derived: DerivedAttention) -> None:
         """The logsumexp this attention call kept is remade with its output from now on (and let go)."""
