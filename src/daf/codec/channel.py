@@ -190,11 +190,11 @@ def join_channels(coded: torch.Tensor, index: torch.Tensor, values: torch.Tensor
 
 
 def _joins_from_payload(packed: ChannelPacked) -> bool:
-    """Whether the join can read the coded matrix from its payload (``daf::channel_decode_join``): axis
-    "channel" (codes [C - k, R] in row-major order), float32 codes and outliers, no side table."""
+    """Whether the join can read the coded matrix from its payload (``daf::channel_decode_join``, which takes
+    other dtypes and shapes through its statement): axis "channel" (float32 codes [C - k, R] in row-major
+    order), no side table."""
     return (packed.axis == "channel" and packed.exc_index is None and packed.dtype == torch.float32
-            and packed.order == (0, 1) and packed.outlier_values is not None
-            and packed.outlier_values.dtype == torch.float32)
+            and packed.order == (0, 1) and packed.outlier_values is not None)
 
 
 def _decoded_and_joined(packed: ChannelPacked) -> torch.Tensor:

@@ -120,6 +120,16 @@ def _decode_join_fake(payload, bits, group_size, scale, inliers, outliers, value
     return values.new_empty((scale.shape[0], inliers.shape[0] + outliers.shape[0]))
 
 
+def _every_channel_once(inliers: torch.Tensor, outliers: torch.Tensor, op: str) -> int:
+    """The channel count; ValueError unless inliers and outliers name each channel exactly once (else some
+    element of a kernel's output would be left unwritten)."""
+    channels = inliers.numel() + outliers.numel()
+    channel = torch.cat((inliers, outliers))
+    if channels and not torch.equal(torch.bincount(channel, minlength=channels), torch.ones_like(channel)):
+        raise ValueError(f"{op}: inliers and outliers together must name each of {channels} channels once")
+    return channels
+
+
 def _native_split(ext: ModuleType):
     def split(m: torch.Tensor, inliers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _check_split(m, inliers)
@@ -148,11 +158,7 @@ def _native_join(ext: ModuleType):
             return _join_reference(*tensors)
         if values.dtype != torch.float32 and bool(values.isnan().any()):  # as in split: PyTorch's casts choose NaNs
             return _join_reference(*tensors)
-        rows, channels = coded.shape[1], inliers.numel() + outliers.numel()
-        channel = torch.cat((inliers, outliers))
-        # Every channel exactly once, or some element of out would be left unwritten.
-        if channels and not torch.equal(torch.bincount(channel, minlength=channels), torch.ones_like(channel)):
-            raise ValueError(f"channel_join: inliers and outliers together must name each of {channels} channels once")
+        rows, channels = coded.shape[1], _every_channel_once(inliers, outliers, "channel_join")
         coded, scale, inliers, outliers = (t.contiguous() for t in (coded, scale, inliers, outliers))
         wide = values.float().contiguous()  # float32 holds float16 and bfloat16 exactly
         out = torch.empty(rows, channels, dtype=torch.float32)
@@ -177,12 +183,7 @@ def _native_decode_join(ext: ModuleType):
             return _decode_join_reference(*tensors[:1], bits, group_size, *tensors[1:])
         _check_join(torch.empty(inliers.numel(), rows, device="meta"), scale, inliers, outliers, values)
         check_payload(payload, inliers.numel() * rows, bits, group_size)
-        channels = inliers.numel() + outliers.numel()
-        channel = torch.cat((inliers, outliers))
-        # Every channel exactly once, or some element of out would be left unwritten.
-        if channels and not torch.equal(torch.bincount(channel, minlength=channels), torch.ones_like(channel)):
-            raise ValueError(f"channel_decode_join: inliers and outliers together must name each of {channels} "
-                             "channels once")
+        channels = _every_channel_once(inliers, outliers, "channel_decode_join")
         payload, scale, inliers, outliers, values = (t.contiguous() for t in tensors)
         out = torch.empty(rows, channels, dtype=torch.float32)
         ext.channel_decode_join(payload.data_ptr(), bits, group_size, scale.data_ptr(), rows, channels,
