@@ -75,12 +75,10 @@ class _CompileEntry:
             _entry_traced()
             return type(module).__call__(module, *args, **kwargs)
         attachment = getattr(module, _ATTR, None)
-        hooks = attachment.enter_compiled(module) if attachment is not None else None
-        if hooks is None:
+        if attachment is None or not attachment.enter_compiled(module):
             return type(module).__call__(module, *args, **kwargs)
         try:
-            with hooks:
-                return type(module).__call__(module, *args, **kwargs)
+            return type(module).__call__(module, *args, **kwargs)
         finally:
             attachment.leave_compiled()
 
@@ -188,23 +186,25 @@ class _Attachment:
             handles.append(model.register_forward_pre_hook(_Hook(self._audit, self._traced), prepend=True, with_kwargs=True))
         return handles
 
-    def enter_compiled(self, module: nn.Module) -> torch.autograd.graph.saved_tensors_hooks | None:
-        """The graph hooks to hold while ``torch.compile(daf.wrap(module))`` runs a training forward (its
-        graphs inline them), pushed as this thread's context; None when the call is not one to compress
-        (eval, no_grad, the audit's passes, nested in a forward of the tree). Dynamo runs this eagerly."""
+    def enter_compiled(self, module: nn.Module) -> bool:
+        """Enter the graph hooks for ``torch.compile(daf.wrap(module))``'s training forward (its graphs inline
+        them), pushed as this thread's context; False, entering nothing, when the call is not one to compress
+        (eval, no_grad, the audit's passes, nested in a forward of the tree). Dynamo runs this and all it calls
+        eagerly (``_skip_entry_frames``): entered from the entry's frame, the hooks' ``__enter__`` would be traced."""
         if self._contexts or not self._active(module) or (self.audit is not None and self.audit.running):
-            return None
+            return False
         if self._in_graph is None:
             self._in_graph = in_graph_hooks(self.session.config, self.graph_saves)
         if not self._warned_compile:
             self._warned_compile = True
             warnings.warn(in_graph_warning("this model is compiled with torch.compile", self.session.config),
                           stacklevel=3)
+        self._in_graph.__enter__()
         self._contexts.append(self._in_graph)
-        return self._in_graph
+        return True
 
     def leave_compiled(self) -> None:
-        self._contexts.pop()
+        self._contexts.pop().__exit__(None, None, None)
 
     def _audit(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """The root's forward pre-hook: count a training forward, and audit it when due (runtime/audit.py)."""

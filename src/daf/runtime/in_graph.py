@@ -25,6 +25,7 @@ saved in a compiled graph does not survive).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -34,13 +35,15 @@ import torch
 from daf.config import Config
 from daf.format import mask_bytes, payload_bytes, restore_memory_order
 from daf.report import SiteRow
+from daf.runtime.graph_order import restores_at_first_use
 from daf.runtime.graph_rules import (Decision, GraphWidths, Readers, decide, memory_order, producer_of,
                                      readers_of, values_of_probabilities)
+from daf.tracing.threads import PerThreadStack
 
-__all__ = ["GraphSaves", "in_graph_hooks", "in_graph_limits", "positive_floor"]
+__all__ = ["GraphHooks", "GraphSaves", "in_graph_hooks", "in_graph_limits", "positive_floor"]
 
 
-def in_graph_hooks(config: Config, saves: GraphSaves | None = None) -> torch.autograd.graph.saved_tensors_hooks:
+def in_graph_hooks(config: Config, saves: GraphSaves | None = None) -> GraphHooks:
     """The hooks to hold active while a compiled module compiles and runs: AOTAutograd inlines them.
 
     Each save is decided at trace time (``daf.runtime.graph_rules``) and, with ``saves`` given, recorded
@@ -52,7 +55,27 @@ def in_graph_hooks(config: Config, saves: GraphSaves | None = None) -> torch.aut
     import daf.kernels.ops  # noqa: F401  registers torch.ops.daf.format1_encode, format1_decode
 
     pack, unpack = _codec(config, GraphWidths.of(config), saves)
-    return torch.autograd.graph.saved_tensors_hooks(_graph_of(pack), _graph_of(unpack))
+    return GraphHooks(_graph_of(pack), _graph_of(unpack))
+
+
+class GraphHooks:
+    """One re-entrant context per wrapped model: the pack and unpack graph modules as ambient saved-tensor
+    hooks (the same pair every call: dynamo's guard on them passes), and, while a call compiles, the pass
+    that restores each save in backward just before its first reader (``daf.runtime.graph_order``)."""
+
+    def __init__(self, pack: torch.fx.GraphModule, unpack: torch.fx.GraphModule) -> None:
+        self.pack_hook, self.unpack_hook = pack, unpack  # the names saved_tensors_hooks gives them
+        self._entered = PerThreadStack()  # each thread's open contexts (autograd's hooks are per thread)
+
+    def __enter__(self) -> GraphHooks:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack_hook, self.unpack_hook))
+        stack.enter_context(restores_at_first_use())
+        self._entered.items.append(stack)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._entered.items.pop().__exit__(*exc)
 
 
 def in_graph_limits(config: Config) -> list[str]:
