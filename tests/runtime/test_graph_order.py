@@ -103,10 +103,9 @@ def test_inductor_compiles_a_wrapped_cnns_backward_with_its_restores_at_first_us
     """Through inductor (C++ built; about 15 s): the backward is lowered during the compiled forward, under the
     pass, which moves the decodes out of the prologue; gradients equal those of the same codes restored in
     the prologue (aot_eager runs the graph as AOTAutograd inlined it)."""
-    import torch._inductor.config as inductor_config
     moved = []
     monkeypatch.setattr(graph_order, "sink_restores", lambda graph: moved.append(sink_restores(graph)) or moved[-1])
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)  # a cached graph would skip the pass
+    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)  # a cached graph would skip the pass
 
     class Net(nn.Module):
         def __init__(self) -> None:

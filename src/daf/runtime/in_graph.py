@@ -51,8 +51,9 @@ def in_graph_hooks(config: Config, saves: GraphSaves | None = None) -> GraphHook
     floating-point ones of at least ``config.min_numel`` elements as the policy's ``bits``-rule codes.
     """
     # here, not at import: ``import daf`` stays free of the kernels (tests/test_import.py)
-    import daf.kernels.mask_ops  # noqa: F401  registers torch.ops.daf.relu_mask_encode, mask_encode, mask_unpack
-    import daf.kernels.ops  # noqa: F401  registers torch.ops.daf.format1_encode, format1_decode
+    import daf.kernels.graph_ops  # noqa: F401  registers torch.ops.daf.graph_pack
+    import daf.kernels.mask_ops  # noqa: F401  registers torch.ops.daf.mask_unpack
+    import daf.kernels.ops  # noqa: F401  registers torch.ops.daf.format1_decode
 
     pack, unpack = _codec(config, GraphWidths.of(config), saves)
     return GraphHooks(_graph_of(pack), _graph_of(unpack))
@@ -139,13 +140,12 @@ def _codec(config: Config, widths: GraphWidths,
             saves.record(graph, _row(node, x, decision, group_size))
         if decision.form == "raw":
             return x
-        flat = x.permute(order).reshape(-1)
+        codes, signs = decision.form in ("codes", "codes+sign"), decision.form in ("sign", "codes+sign")
+        payload, second = torch.ops.daf.graph_pack(x, list(order), decision.bits or 0, group_size, codes, signs)
         if decision.form == "mask":  # bits where an element differs from the first, and the first
-            return "mask", 1, torch.ops.daf.mask_encode(flat), flat[:1].clone(), tuple(x.shape), order, x.dtype
-        payload = (None if decision.form == "sign" else
-                   torch.ops.daf.format1_encode(flat, decision.bits, group_size, False, 0)[0])
-        sign = None if decision.form == "codes" else torch.ops.daf.relu_mask_encode(flat)
-        return decision.form, decision.bits, payload, sign, tuple(x.shape), order, x.dtype
+            return "mask", 1, payload, second, tuple(x.shape), order, x.dtype
+        return (decision.form, decision.bits, payload if codes else None, second if signs else None,
+                tuple(x.shape), order, x.dtype)
 
     def daf_unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):

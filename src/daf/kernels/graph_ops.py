@@ -1,0 +1,48 @@
+"""One operator that packs a compiled graph's save: ``daf::graph_pack``, what ``daf.runtime.in_graph``'s pack
+hook puts in the forward graph.
+
+``daf::graph_pack(Tensor x, int[] order, int bits, int group_size, bool codes, bool sign) -> (Tensor, Tensor)``:
+``x`` flattened in dimension order ``order``; a boolean's bits where an element differs from the first
+(``mask_encode``) and its first element; else the float's ``format1_encode`` codes at ``bits`` nearest
+(``codes``; empty uint8 when False) and its sign bits (``relu_mask_encode``; empty when ``sign`` is False).
+
+Why one op, taking ``x`` whole, with ``torch.Tag.flexible_layout``: inductor makes a custom op's input
+the layout the trace gave it (contiguous, before its own channels-last choice for convolutions), and it
+materialized a flattened view once per consuming op: a ReLU output packed as codes and sign bits was
+written twice beside its own buffer, in the trace's layout. Here inductor hands over the buffer as it
+laid it out, once; the op flattens it (a view when it is laid out in ``order``, as
+``daf.runtime.graph_rules.memory_order`` predicts; a copy, same values, when not). The composed ops are
+this package's own, so its bytes are theirs: no kernel of its own to hold to a reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import daf.kernels.mask_ops  # noqa: F401  registers daf::mask_encode, relu_mask_encode
+import daf.kernels.ops  # noqa: F401  registers daf::format1_encode
+
+__all__ = ["graph_pack"]
+
+
+@torch.library.custom_op("daf::graph_pack", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def graph_pack(x: torch.Tensor, order: list[int], bits: int, group_size: int, codes: bool,
+               sign: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pack(x, order, bits, group_size, codes, sign)
+
+
+@graph_pack.register_fake
+def _graph_pack_fake(x: torch.Tensor, order: list[int], bits: int, group_size: int, codes: bool,
+                     sign: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pack(x, order, bits, group_size, codes, sign)  # the composed ops' fakes give the shapes
+
+
+def _pack(x: torch.Tensor, order: list[int], bits: int, group_size: int, codes: bool,
+          sign: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = x.permute(order).reshape(-1)
+    if x.dtype == torch.bool:
+        return torch.ops.daf.mask_encode(flat), flat[:1].clone()
+    none = flat.new_empty(0, dtype=torch.uint8)
+    payload = torch.ops.daf.format1_encode(flat, bits, group_size, False, 0)[0] if codes else none
+    signs = torch.ops.daf.relu_mask_encode(flat) if sign else none.clone()
+    return payload, signs

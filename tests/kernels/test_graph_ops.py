@@ -1,0 +1,39 @@
+"""``daf::graph_pack``, the op a compiled graph's pack hook calls: the composed ops' bytes, for every form, in
+the layout inductor hands it and in one it did not predict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import daf.kernels.graph_ops  # noqa: F401  registers torch.ops.daf.graph_pack
+
+CHANNELS_LAST = [0, 2, 3, 1]
+
+
+def _map(layout: str) -> torch.Tensor:
+    x = torch.randn(4, 8, 6, 10, generator=torch.Generator().manual_seed(0)).relu()
+    return x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])  # contiguous: a wrong guess, copied
+@pytest.mark.parametrize("codes, sign", [(True, False), (True, True), (False, True)])
+def test_graph_pack_gives_the_composed_ops_bytes_in_the_order_asked(layout, codes, sign):
+    x = _map(layout)
+    flat = x.permute(CHANNELS_LAST).reshape(-1)
+    payload, signs = torch.ops.daf.graph_pack(x, CHANNELS_LAST, 2, 64, codes, sign)
+    expected = torch.ops.daf.format1_encode(flat, 2, 64, False, 0)[0] if codes else torch.empty(0, dtype=torch.uint8)
+    assert torch.equal(payload, expected)
+    assert torch.equal(signs, torch.ops.daf.relu_mask_encode(flat) if sign else torch.empty(0, dtype=torch.uint8))
+
+
+def test_graph_pack_of_a_boolean_is_its_difference_bits_and_first_element():
+    mask = _map("channels_last") > 0.5
+    flat = mask.permute(CHANNELS_LAST).reshape(-1)
+    payload, first = torch.ops.daf.graph_pack(mask, CHANNELS_LAST, 0, 256, False, False)
+    assert torch.equal(payload, torch.ops.daf.mask_encode(flat)) and torch.equal(first, flat[:1])
+
+
+@pytest.mark.parametrize("x, codes, sign", [(_map("channels_last"), True, True), (_map("contiguous") > 0, False, False)])
+def test_opcheck(x, codes, sign):
+    torch.library.opcheck(torch.ops.daf.graph_pack.default, (x, CHANNELS_LAST, 4, 64, codes, sign))
