@@ -105,7 +105,6 @@ def test_inductor_compiles_a_wrapped_cnns_backward_with_its_restores_at_first_us
     the prologue (aot_eager runs the graph as AOTAutograd inlined it)."""
     moved = []
     monkeypatch.setattr(graph_order, "sink_restores", lambda graph: moved.append(sink_restores(graph)) or moved[-1])
-    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)  # a cached graph would skip the pass
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -117,15 +116,17 @@ def test_inductor_compiles_a_wrapped_cnns_backward_with_its_restores_at_first_us
 
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     grads = []
-    for backend in ("inductor", "aot_eager"):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = Net()
-        compiled = torch.compile(daf.wrap(model, bits=8, rounding="nearest", min_numel=64,
-                                          audit=daf.Audit(every=0)), backend=backend)
-        compiled(x).backward()
-        if backend == "inductor":
-            assert len(moved) == 2 and moved[1] > 0  # forward, then backward within the same call
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        daf.unwrap(model)
+    # a cached graph would skip the pass (config.patch: monkeypatch would delete the config's alias afterwards)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for backend in ("inductor", "aot_eager"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = Net()
+            compiled = torch.compile(daf.wrap(model, bits=8, rounding="nearest", min_numel=64,
+                                              audit=daf.Audit(every=0)), backend=backend)
+            compiled(x).backward()
+            if backend == "inductor":
+                assert len(moved) == 2 and moved[1] > 0  # forward, then backward within the same call
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            daf.unwrap(model)
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
