@@ -13,6 +13,10 @@ and the C++ kernels become its CPU implementation when the extension loads
 - ``daf::format1_decode_into(Tensor payload, int bits, int group_size, Tensor? exc_index,
   Tensor? exc_value, Tensor(a!) out) -> ()``: the values in ``out``'s logical order, whatever its
   layout (a channels-last ``out`` is filled in one pass on the kernels)
+- ``daf::format1_decode_signed(Tensor payload, Tensor signs, SymInt numel, int bits, int group_size,
+  float floor, ScalarType dtype) -> Tensor``: the decoded values given the sign their bit in ``signs``
+  (``relu_mask_encode``'s bits) says: ``where(bit, v.clamp_min(floor), v.clamp_max(0))``, a ReLU output
+  restored in a compiled graph so that no value crosses 0 (float32 on the kernels in one pass)
 
 Every implementation returns the reference's bytes. Ops return tensors of sizes known from
 their arguments only, so the exceptional values' side table (whose length depends on the
@@ -32,7 +36,7 @@ from types import ModuleType
 import torch
 
 from daf.format import ALLOWED_BITS, payload_bytes
-from daf.kernels import reference
+from daf.kernels import mask_reference, reference
 
 __all__ = ["NAMESPACE", "STRATEGIES", "check_format", "encode_flat", "decode_flat", "decode_into", "native_takes",
            "register_native", "native_registered"]
@@ -47,6 +51,7 @@ _MASK32 = 0xFFFFFFFF
 _ENCODE = "daf::format1_encode"
 _DECODE = "daf::format1_decode"
 _DECODE_INTO = "daf::format1_decode_into"
+_DECODE_SIGNED = "daf::format1_decode_signed"
 
 torch.library.define(_ENCODE, "(Tensor x, int bits, int group_size, bool stochastic, int seed, int strategy=0, "
                               "bool serial=False) -> (Tensor payload, Tensor ok)")
@@ -54,6 +59,8 @@ torch.library.define(_DECODE, "(Tensor payload, SymInt numel, int bits, int grou
                               "Tensor? exc_index=None, Tensor? exc_value=None) -> Tensor")
 torch.library.define(_DECODE_INTO, "(Tensor payload, int bits, int group_size, Tensor? exc_index, Tensor? exc_value, "
                                    "Tensor(a!) out) -> ()")
+torch.library.define(_DECODE_SIGNED, "(Tensor payload, Tensor signs, SymInt numel, int bits, int group_size, "
+                                     "float floor, ScalarType dtype) -> Tensor")
 
 
 def check_format(bits: int, group_size: int) -> None:
@@ -106,9 +113,17 @@ def _decode_into_reference(payload: torch.Tensor, bits: int, group_size: int, ex
     out.copy_(values.view(out.shape))
 
 
+def _decode_signed_reference(payload: torch.Tensor, signs: torch.Tensor, numel: int, bits: int, group_size: int,
+                             floor: float, dtype: torch.dtype) -> torch.Tensor:
+    values = _decode_reference(payload, numel, bits, group_size, dtype)
+    positive = mask_reference.mask_unpack(signs, numel)
+    return torch.where(positive, values.clamp_min(floor), values.clamp_max(0))
+
+
 torch.library.register_kernel(_ENCODE, "default", _encode_reference)
 torch.library.register_kernel(_DECODE, "default", _decode_reference)
 torch.library.register_kernel(_DECODE_INTO, "default", _decode_into_reference)
+torch.library.register_kernel(_DECODE_SIGNED, "default", _decode_signed_reference)
 
 
 # ---- fake implementations: shapes and dtypes only --------------------------------------------
@@ -127,6 +142,11 @@ def _decode_fake(payload, numel, bits, group_size, dtype, exc_index=None, exc_va
                  lambda: f"payload has {payload.numel()} bytes; {numel} elements need "
                          f"{payload_bytes(numel, bits, group_size)}")
     return payload.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake(_DECODE_SIGNED)
+def _decode_signed_fake(payload, signs, numel, bits, group_size, floor, dtype):
+    return _decode_fake(payload, numel, bits, group_size, dtype)
 
 
 @torch.library.register_fake(_DECODE_INTO)
@@ -196,6 +216,23 @@ def _decode_native(ext: ModuleType) -> Callable:
     return decode, decode_into
 
 
+def _decode_signed_native(ext: ModuleType) -> Callable:
+    def decode_signed(payload: torch.Tensor, signs: torch.Tensor, numel: int, bits: int, group_size: int,
+                      floor: float, dtype: torch.dtype) -> torch.Tensor:
+        check_format(bits, group_size)
+        takes = (dtype == torch.float32 and native_takes(dtype, payload.is_cpu and signs.is_cpu, group_size)
+                 and payload.dtype == signs.dtype == torch.uint8 and signs.numel() == -(-numel // 8))
+        if not takes or not numel:
+            return _decode_signed_reference(payload, signs, numel, bits, group_size, floor, dtype)
+        check_payload(payload, numel, bits, group_size)
+        out = torch.empty(numel, dtype=dtype)
+        ext.decode_signed_into(payload.contiguous().data_ptr(), signs.contiguous().data_ptr(), numel, bits,
+                               group_size, floor, out.data_ptr())
+        return out
+
+    return decode_signed
+
+
 def native_registered() -> bool:
     """Whether the C++ kernels are the CPU implementation of the ops in this process."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(_ENCODE, "CPU")
@@ -209,6 +246,7 @@ def register_native(ext: ModuleType) -> None:
     torch.library.register_kernel(_ENCODE, "cpu", _encode_native(ext))
     torch.library.register_kernel(_DECODE, "cpu", decode)
     torch.library.register_kernel(_DECODE_INTO, "cpu", decode_into)
+    torch.library.register_kernel(_DECODE_SIGNED, "cpu", _decode_signed_native(ext))
 
 
 # ---- what a codec backend calls ----------------------------------------------------------------

@@ -157,13 +157,13 @@ def _codec(config: Config, widths: GraphWidths,
         if form == "mask":
             flat = torch.logical_xor(torch.ops.daf.mask_unpack(payload, numel), sign)
             return restore_memory_order(flat, shape, order)
-        positive = None if sign is None else torch.ops.daf.mask_unpack(sign, numel)
         if form == "sign":
-            flat = positive.to(dtype)
+            flat = torch.ops.daf.mask_unpack(sign, numel).to(dtype)
+        elif form == "codes+sign":  # a value that rounded across 0 would flip threshold_backward's mask
+            flat = torch.ops.daf.format1_decode_signed(payload, sign, numel, bits, group_size, positive_floor(dtype),
+                                                       dtype)
         else:
             flat = torch.ops.daf.format1_decode(payload, numel, bits, group_size, dtype)
-        if form == "codes+sign":  # a value that rounded across 0 would flip threshold_backward's mask
-            flat = torch.where(positive, flat.clamp_min(positive_floor(dtype)), flat.clamp_max(0))
         return restore_memory_order(flat, shape, order)  # backward's views expect the saved strides
 
     return daf_pack, daf_unpack

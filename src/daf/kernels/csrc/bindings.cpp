@@ -109,6 +109,23 @@ void decode_into(int64_t payload, int64_t numel, int64_t bits, int64_t group_siz
   throw std::invalid_argument("dtype code must be 0 (float32), 1 (float16) or 2 (bfloat16)");
 }
 
+// out: numel float32, the decoded values with the sign each bit of signs says (kernels.h, decode_signed).
+void decode_signed_into(int64_t payload, int64_t signs, int64_t numel, int64_t bits, int64_t group_size, double floor,
+                        int64_t out) {
+  Layout layout = checked_layout(numel, bits, group_size);
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(payload);
+  const uint8_t* sign_bits = reinterpret_cast<const uint8_t*>(signs);
+  float* dst = reinterpret_cast<float*>(out);
+  const float low = static_cast<float>(floor);
+  switch (bits) {
+    case 1: return decode_signed<1>(src, sign_bits, dst, layout, low);
+    case 2: return decode_signed<2>(src, sign_bits, dst, layout, low);
+    case 4: return decode_signed<4>(src, sign_bits, dst, layout, low);
+    case 8: return decode_signed<8>(src, sign_bits, dst, layout, low);
+  }
+  throw std::invalid_argument("bits must be 1, 2, 4 or 8");
+}
+
 // out: n * c * hw elements written channels-last; the payload's values are in NCHW order and
 // c * hw must be a multiple of group_size (each image starts a group).
 void decode_channels_last_into(int64_t payload, int64_t n, int64_t c, int64_t hw, int64_t bits, int64_t group_size,
@@ -371,6 +388,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &daf::encode, "quantize and pack into format-1 rows; False if exceptional values",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_into", &daf::decode_into, "unpack and dequantize format-1 rows into a buffer",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_signed_into", &daf::decode_signed_into, "format-1 decode with exact sign bits, float32",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_channels_last_into", &daf::decode_channels_last_into,
         "unpack and dequantize format-1 rows of NCHW values into a channels-last buffer",

@@ -4,7 +4,12 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "codes.h"
 #include "transpose.h"
@@ -161,6 +166,47 @@ void decode(const uint8_t* payload, T* out, Layout layout) {
       decode_span<BITS>(row + 4 + offset * BITS / 8, m, lo, step, dst);
       if constexpr (std::is_same_v<T, c10::Half>) clamp_to_half_range(buf, m);
       if constexpr (!std::is_same_v<T, float>) from_float(buf, out + start, m);
+    }
+  });
+}
+
+// A decoded span's elements given the sign their bit says (bit i of signs, little-endian in each byte,
+// for element i of the span; the span starts at a multiple of 8): set -> max(v, floor), clear ->
+// min(v, 0). NaN stays NaN and an equal value stays itself, as torch.where(bit, v.clamp_min(floor),
+// v.clamp_max(0)) gives, which the reference computes.
+inline void apply_signs(float* v, const uint8_t* signs, int64_t m, float floor) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 zero = _mm512_setzero_ps(), low = _mm512_set1_ps(floor);
+  for (; i + 16 <= m; i += 16) {
+    uint16_t bits;
+    std::memcpy(&bits, signs + (i >> 3), sizeof(bits));
+    const __m512 x = _mm512_loadu_ps(v + i);  // (constant, x): the second operand on NaN or equality
+    _mm512_storeu_ps(v + i, _mm512_mask_blend_ps(bits, _mm512_min_ps(zero, x), _mm512_max_ps(low, x)));
+  }
+#endif
+  for (; i < m; ++i) {
+    const float x = v[i];
+    v[i] = (signs[i >> 3] >> (i & 7)) & 1 ? (x < floor ? floor : x) : (0.0f < x ? 0.0f : x);
+  }
+}
+
+// Decode with the exact signs of a ReLU output (a compiled graph's "codes+sign" save): each block is
+// decoded and given its signs while it is in L1, one pass over the output where a decode, a bool
+// mask and a select took three.
+template <int BITS>
+void decode_signed(const uint8_t* payload, const uint8_t* signs, float* out, Layout layout, float floor) {
+  const int64_t block = std::min(layout.group_size, kBlock);
+  const int64_t blocks = (layout.numel + block - 1) / block;
+  at::parallel_for(0, blocks, layout.grain(block), [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * block, m = std::min(block, layout.numel - start);
+      const int64_t g = start / layout.group_size, offset = start - g * layout.group_size;
+      const uint8_t* row = payload + g * layout.row_bytes();
+      float lo, step;
+      read_meta(row, lo, step);
+      decode_span<BITS>(row + 4 + offset * BITS / 8, m, lo, step, out + start);
+      apply_signs(out + start, signs + start / 8, m, floor);  // block: a multiple of 8 (group_size >= 8)
     }
   });
 }
