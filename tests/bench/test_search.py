@@ -141,14 +141,18 @@ def test_every_method(workload):
             f"DAF {bits}-bit + checkpoint", f"DAF {bits}-bit budget"} <= set(names)
     by_name = {m.name: m for m in methods}
     assert by_name["checkpoint"].checkpoint and by_name["checkpoint"].daf is None
-    assert by_name["compile budget 0.5"].compile
+    assert by_name["compile budget 0.5"].compile and by_name["compile budget 0.5"].compile_budget == 0.5
+    assert by_name["compile"].compile and by_name["compile"].compile_budget is None and by_name["compile"].daf is None
+    compiled = by_name[f"DAF {bits}-bit compiled"]  # torch.compile(daf.wrap(model)): no recomputation budget
+    assert compiled.compile and compiled.compile_budget is None and compiled.daf == workload_config(workload)
     assert by_name["fp32 decommit"].decommit and by_name["fp32 decommit"].daf is None
     decommit = by_name[f"DAF {bits}-bit decommit"]
     assert decommit.decommit and decommit.daf == workload_config(workload).replace(decommit=True)
     assert [m.name for m in methods if m.decommit] == ["fp32 decommit", f"DAF {bits}-bit decommit"]
     assert by_name[f"DAF {bits}-bit + checkpoint"].checkpoint and by_name[f"DAF {bits}-bit + checkpoint"].daf
     for method in methods:
-        assert set(method.to_dict()) == {"name", "daf", "checkpoint", "compile", "allocator", "decommit", "notes"}
+        assert set(method.to_dict()) == {"name", "daf", "checkpoint", "compile", "compile_budget", "allocator",
+                                         "decommit", "notes"}
         if method.daf is not None:
             assert method.daf.bits == bits or isinstance(method.daf.policy, Adaptive)  # an average, no width
             assert method.to_dict()["daf"] == method.daf.to_dict()

@@ -37,7 +37,7 @@ CONVOLUTIONAL = frozenset({"resnet18-fmnist", "tiny-mnist"})
 @dataclass(frozen=True)
 class Method:
     """One way to train: DAF's config (None: no DAF; its allocator is replaced by ``allocator``),
-    per-block recomputation, ``torch.compile`` with a recomputation budget, and the allocator
+    per-block recomputation, ``torch.compile`` (with a recomputation budget or not), and the allocator
     ("system": as a plain PyTorch user runs; "auto": DAF's, installed in-process before anything
     is allocated), which with ``decommit`` gives freed memory back at once (``Config.decommit``)."""
 
@@ -45,6 +45,7 @@ class Method:
     daf: Config | None = None
     checkpoint: bool = False
     compile: bool = False
+    compile_budget: float | None = None  # torch._functorch.config.activation_memory_budget; None: compile's own
     allocator: str = "auto"
     decommit: bool = False
     notes: str = ""
@@ -53,7 +54,8 @@ class Method:
     def to_dict(self) -> dict[str, Any]:
         daf = None if self.daf is None else self.daf.to_dict()
         return {"name": self.name, "daf": daf, "checkpoint": self.checkpoint, "compile": self.compile,
-                "allocator": self.allocator, "decommit": self.decommit, "notes": self.notes}
+                "compile_budget": self.compile_budget, "allocator": self.allocator, "decommit": self.decommit,
+                "notes": self.notes}
 
 
 def methods_for(workload: str, cap_bytes: int, quick: bool = False) -> list[Method]:
@@ -64,9 +66,12 @@ def methods_for(workload: str, cap_bytes: int, quick: bool = False) -> list[Meth
         Method("fp32 (system malloc)", allocator="system", notes="plain PyTorch, as a user runs it"),
         Method("fp32", notes="plain PyTorch on DAF's allocator"),
         Method("checkpoint", checkpoint=True, notes="torch.utils.checkpoint per block, non-reentrant"),
-        Method("compile budget 0.5", compile=True,
+        Method("compile", compile=True, notes="torch.compile(model), inductor's defaults"),
+        Method("compile budget 0.5", compile=True, compile_budget=0.5,
                notes="torch.compile, torch._functorch.config.activation_memory_budget = 0.5"),
         Method(f"DAF {bits}-bit", daf=uniform),
+        Method(f"DAF {bits}-bit compiled", daf=uniform, compile=True,
+               notes="torch.compile(daf.wrap(model)): codes inside the graphs (docs/integrations.md)"),
         *([Method(f"DAF {bits}-bit channels-last", daf=uniform.replace(channels_last=True),
                   notes="restored conv/BN/ReLU inputs channels-last (--layout channels-last)")]
           if workload in CONVOLUTIONAL and not uniform.channels_last else []),

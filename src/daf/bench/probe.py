@@ -32,9 +32,10 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
     blocks = checkpoint_blocks(model) if method["checkpoint"] else 0
     if method["daf"] is not None:
         daf.wrap(model, daf.Config.from_dict(method["daf"]), allocator=method["allocator"])
-    if method["compile"]:
-        import torch._functorch.config as functorch_config
-        functorch_config.activation_memory_budget = 0.5
+    if method["compile"]:  # after daf.wrap: torch.compile(daf.wrap(model)) compresses inside the graphs
+        if method.get("compile_budget") is not None:
+            import torch._functorch.config as functorch_config
+            functorch_config.activation_memory_budget = method["compile_budget"]
         model = torch.compile(model)
     optimizer, schedule = workload.optimizer(model, spec["steps"])
     seconds = []
