@@ -37,3 +37,15 @@ def test_graph_pack_of_a_boolean_is_its_difference_bits_and_first_element():
 @pytest.mark.parametrize("x, codes, sign", [(_map("channels_last"), True, True), (_map("contiguous") > 0, False, False)])
 def test_opcheck(x, codes, sign):
     torch.library.opcheck(torch.ops.daf.graph_pack.default, (x, CHANNELS_LAST, 4, 64, codes, sign))
+
+
+@pytest.mark.parametrize("special", [float("-inf"), float("nan"), 3e38])
+def test_graph_pack_refuses_values_its_codes_cannot_keep_naming_the_save(special):
+    """A graph's save has no side table: an additive mask's -inf, a NaN or a huge value would come back as a
+    wrong code. The op raises with the save's name instead of handing one back."""
+    x = torch.randn(4, 8, 6, 10)
+    x[1, 2, 3, 4] = special
+    with pytest.raises(RuntimeError, match="attn_mask_7 of a compiled graph.*cannot keep"):
+        torch.ops.daf.graph_pack(x, [0, 1, 2, 3], 8, 64, True, False, "attn_mask_7")
+    payload, _ = torch.ops.daf.graph_pack(x, [0, 1, 2, 3], 8, 64, False, True, "attn_mask_7")  # sign bits alone: exact
+    assert payload.numel() == 0

@@ -14,8 +14,8 @@ from daf.runtime.graph_rules import GraphWidths, Readers, decide, producer_of
 class Node:
     """A backward fx node as the rules read it."""
 
-    def __init__(self, target: object, *args: object) -> None:
-        self.target, self.args = target, args
+    def __init__(self, target: object, *args: object, **kwargs: object) -> None:
+        self.target, self.args, self.kwargs = target, args, kwargs
 
 
 SAVED = Node("placeholder")
@@ -68,16 +68,24 @@ def test_the_default_policy_in_a_graph(save, producer, readers, form, bits, why)
 
 
 @pytest.mark.parametrize("role, form, bits", [("query", "raw", None), ("key", "raw", None), ("value", "codes", 8),
-                                              ("out", "codes", 8), ("logsumexp", "raw", None)])
+                                              ("out", "codes", 8), ("logsumexp", "raw", None),
+                                              ("attn_mask", "raw", None)])
 def test_fused_attention_keeps_q_k_and_logsumexp_raw_and_codes_v_and_the_output_at_8_bits(role, form, bits):
     names = [argument.name for argument in FLASH_BACKWARD._schema.arguments]
-    args = [Node(f"other{i}") for i in range(len(names))]
-    args[names.index(role)] = SAVED
+    positional = [a.name for a in FLASH_BACKWARD._schema.arguments if not a.kwarg_only]
+    args = [Node(f"other{i}") for i in range(len(positional))]
+    kwargs = {}
+    if role in positional:
+        args[positional.index(role)] = SAVED
+    else:  # attn_mask is keyword-only: a causal mask with -inf where masked
+        assert role in names
+        kwargs[role] = SAVED
     config = Config(min_numel=64)
-    got = decide(torch.empty(4, 4, 64, 16), None, _readers(Node(FLASH_BACKWARD, *args)), GraphWidths.of(config), config)
+    got = decide(torch.empty(4, 4, 64, 16), None, _readers(Node(FLASH_BACKWARD, *args, **kwargs)),
+                 GraphWidths.of(config), config)
     assert (got.form, got.bits) == (form, bits)
     if form == "raw":
-        assert "logits' magnitude" in got.why
+        assert ("logits' magnitude" if role != "attn_mask" else "-inf where masked") in got.why
 
 
 def test_uniform_bits_apply_everywhere_and_adaptive_falls_back_to_8_bits_saying_so():

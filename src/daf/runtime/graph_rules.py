@@ -62,7 +62,10 @@ _SATURATING = frozenset(f"aten.{name}.default" for name in (
 _ELEMENTWISE = frozenset({"aten.div.Tensor", "aten.mul.Tensor", "aten.where.self", "aten.sub.Tensor",
                           "prims.convert_element_type.default", "aten.clone.default"})
 _FUSED_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
-_FUSED_RAW = {"query": "fused attention's q", "key": "fused attention's k", "logsumexp": "fused attention's logsumexp"}
+_LOGITS = " (its safe width needs the logits' magnitude, which a trace does not see)"
+_FUSED_RAW = {"query": "fused attention's q" + _LOGITS, "key": "fused attention's k" + _LOGITS,
+              "logsumexp": "fused attention's logsumexp" + _LOGITS,
+              "attn_mask": "fused attention's additive mask (-inf where masked, which codes in a graph cannot keep)"}
 _FUSED_SENSITIVE = frozenset({"value", "out", "output"})
 # Backward ops that read a save only against their bounds (hardtanh/ReLU6, leaky ReLU, hardsigmoid): eager DAF
 # stores the region's exact bit (``daf.tracing.regions``); a graph keeps such a save raw, since codes move
@@ -134,8 +137,7 @@ def decide(x: torch.Tensor, producer: str | None, readers: Readers | None, width
     nodes = readers.nodes if readers is not None else ()
     fused = _fused_attention_role(readers) if readers is not None else None
     if fused in _FUSED_RAW:
-        return Decision("raw", None, f"in graph, raw: {_FUSED_RAW[fused]} (its safe width needs the logits' "
-                                     "magnitude, which a trace does not see)")
+        return Decision("raw", None, f"in graph, raw: {_FUSED_RAW[fused]}")
     if any(str(node.target) in _REGION_READERS for node in nodes):
         return Decision("raw", None, "in graph, raw: read against its bounds by hardtanh's, leaky ReLU's or "
                                      "hardsigmoid's backward (eager DAF stores the region's bit; graphs do not yet)")
@@ -225,7 +227,8 @@ def _fused_attention_role(readers: Readers) -> str | None:
         target = node.target
         if not any(part in str(target) for part in _FUSED_ATTENTION) or not hasattr(target, "_schema"):
             continue
-        for argument, value in zip(target._schema.arguments, node.args):
+        for index, argument in enumerate(target._schema.arguments):  # attn_mask is a keyword
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
             if value in readers.sources:
                 return argument.name
     return None

@@ -141,7 +141,8 @@ def _codec(config: Config, widths: GraphWidths,
         if decision.form == "raw":
             return x
         codes, signs = decision.form in ("codes", "codes+sign"), decision.form in ("sign", "codes+sign")
-        payload, second = torch.ops.daf.graph_pack(x, list(order), decision.bits or 0, group_size, codes, signs)
+        payload, second = torch.ops.daf.graph_pack(x, list(order), decision.bits or 0, group_size, codes, signs,
+                                                   node.name if node is not None else "")
         if decision.form == "mask":  # bits where an element differs from the first, and the first
             return "mask", 1, payload, second, tuple(x.shape), order, x.dtype
         return (decision.form, decision.bits, payload if codes else None, second if signs else None,
