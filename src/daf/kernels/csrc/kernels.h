@@ -148,25 +148,34 @@ class Encoder {
   bool serial_;
 };
 
-// Decode: blocks of min(group_size, kBlock) elements in parallel, each dequantized straight
-// into the output (through the staging buffer for half types).
-template <typename T, int BITS>
-void decode(const uint8_t* payload, T* out, Layout layout) {
+// The blocks of min(group_size, kBlock) elements a decode works in, in parallel: for each,
+// f(start, m, codes, lo, step) with its first element, its length, its group's codes from the
+// block's first element on, and the group's minimum and step.
+template <typename F>
+void for_each_block(const uint8_t* payload, Layout layout, const F& f) {
   const int64_t block = std::min(layout.group_size, kBlock);
   const int64_t blocks = (layout.numel + block - 1) / block;
   at::parallel_for(0, blocks, layout.grain(block), [&](int64_t first, int64_t last) {
-    alignas(64) float buf[kBlock];
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * block, m = std::min(block, layout.numel - start);
       const int64_t g = start / layout.group_size, offset = start - g * layout.group_size;
       const uint8_t* row = payload + g * layout.row_bytes();
       float lo, step;
       read_meta(row, lo, step);
-      float* dst = std::is_same_v<T, float> ? reinterpret_cast<float*>(out + start) : buf;
-      decode_span<BITS>(row + 4 + offset * BITS / 8, m, lo, step, dst);
-      if constexpr (std::is_same_v<T, c10::Half>) clamp_to_half_range(buf, m);
-      if constexpr (!std::is_same_v<T, float>) from_float(buf, out + start, m);
+      f(start, m, row + 4 + offset * layout.bits / 8, lo, step);
     }
+  });
+}
+
+// Decode: each block dequantized straight into the output (through a staging buffer for half types).
+template <typename T, int BITS>
+void decode(const uint8_t* payload, T* out, Layout layout) {
+  for_each_block(payload, layout, [&](int64_t start, int64_t m, const uint8_t* codes, float lo, float step) {
+    alignas(64) float buf[kBlock];
+    float* dst = std::is_same_v<T, float> ? reinterpret_cast<float*>(out + start) : buf;
+    decode_span<BITS>(codes, m, lo, step, dst);
+    if constexpr (std::is_same_v<T, c10::Half>) clamp_to_half_range(buf, m);
+    if constexpr (!std::is_same_v<T, float>) from_float(buf, out + start, m);
   });
 }
 
@@ -196,18 +205,9 @@ inline void apply_signs(float* v, const uint8_t* signs, int64_t m, float floor) 
 // mask and a select took three.
 template <int BITS>
 void decode_signed(const uint8_t* payload, const uint8_t* signs, float* out, Layout layout, float floor) {
-  const int64_t block = std::min(layout.group_size, kBlock);
-  const int64_t blocks = (layout.numel + block - 1) / block;
-  at::parallel_for(0, blocks, layout.grain(block), [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t start = b * block, m = std::min(block, layout.numel - start);
-      const int64_t g = start / layout.group_size, offset = start - g * layout.group_size;
-      const uint8_t* row = payload + g * layout.row_bytes();
-      float lo, step;
-      read_meta(row, lo, step);
-      decode_span<BITS>(row + 4 + offset * BITS / 8, m, lo, step, out + start);
-      apply_signs(out + start, signs + start / 8, m, floor);  // block: a multiple of 8 (group_size >= 8)
-    }
+  for_each_block(payload, layout, [&](int64_t start, int64_t m, const uint8_t* codes, float lo, float step) {
+    decode_span<BITS>(codes, m, lo, step, out + start);
+    apply_signs(out + start, signs + start / 8, m, floor);  // a block starts at a multiple of 8 (group_size >= 8)
   });
 }
 
