@@ -19,8 +19,10 @@ backward reads a save, booleans as 1-bit masks, fused attention's q and k raw), 
 ``GraphSaves``, which ``daf.report`` shows. What the eager path adds beyond that is absent: no derived
 forms (remakes) or sharing, no exponent guard (q and k stay raw instead), no outlier split (plain min/max
 groups whatever ``Config.codec``), no floors, nearest rounding only (a seed in a graph is a constant:
-stochastic rounding would draw the same noise every step), no exceptional-value side table (a NaN or Inf
-saved in a compiled graph does not survive).
+stochastic rounding would draw the same noise every step), no exceptional-value side table (a save holding NaN
+or Inf raises, naming the save, rather than come back wrong: ``daf::graph_pack``). Each save is packed by
+one op on the buffer as inductor laid it out, flattened in the order inductor uses (``graph_rules.memory_order``),
+and restored in backward just before its first reader (``daf.runtime.graph_order``).
 """
 
 from __future__ import annotations
