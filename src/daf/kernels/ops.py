@@ -35,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from daf.format import ALLOWED_BITS, payload_bytes
+from daf.format import ALLOWED_BITS, mask_bytes, payload_bytes
 from daf.kernels import mask_reference, reference
 
 __all__ = ["NAMESPACE", "STRATEGIES", "check_format", "encode_flat", "decode_flat", "decode_into", "native_takes",
@@ -221,7 +221,7 @@ def _decode_signed_native(ext: ModuleType) -> Callable:
                       floor: float, dtype: torch.dtype) -> torch.Tensor:
         check_format(bits, group_size)
         takes = (dtype == torch.float32 and native_takes(dtype, payload.is_cpu and signs.is_cpu, group_size)
-                 and payload.dtype == signs.dtype == torch.uint8 and signs.numel() == -(-numel // 8))
+                 and payload.dtype == signs.dtype == torch.uint8 and signs.numel() == mask_bytes(numel))
         if not takes or not numel:
             return _decode_signed_reference(payload, signs, numel, bits, group_size, floor, dtype)
         check_payload(payload, numel, bits, group_size)

@@ -155,8 +155,7 @@ def _rule(x: torch.Tensor, producer: str | None, readers: Any) -> str:
     targets = {str(node.target) for node in readers}
     if producer in _SATURATING or targets & _SATURATING:
         return "sensitive_bits"
-    feature_map = producer in _FEATURE_MAP_PRODUCERS or bool(targets & _FEATURE_MAP_READERS)
-    if x.dim() >= 3 and feature_map and not targets & _NOT_FEATURE_MAP_READERS:
+    if x.dim() >= 3 and _feature_map(producer, targets) and not targets & _NOT_FEATURE_MAP_READERS:
         return "feature_map_bits"
     return "bits"
 
@@ -178,10 +177,15 @@ def memory_order(x: torch.Tensor, graph: Any, producer: str | None, readers: Rea
             or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled):
         return order
     targets = {str(node.target) for node in readers.nodes} if readers is not None else set()
-    if producer not in _FEATURE_MAP_PRODUCERS and not targets & _FEATURE_MAP_READERS:
+    if not _feature_map(producer, targets):
         return order
     convolution = torch.ops.aten.convolution.default
     return _CHANNELS_LAST if graph.find_nodes(op="call_function", target=convolution) else order
+
+
+def _feature_map(producer: str | None, targets: set[str]) -> bool:
+    """Made by a convolution, batch norm, pooling or ReLU-family op, or read by one's backward."""
+    return producer in _FEATURE_MAP_PRODUCERS or bool(targets & _FEATURE_MAP_READERS)
 
 
 _PRODUCTS = frozenset({"aten.bmm.default", "aten.mm.default", "aten.matmul.default", "aten.baddbmm.default"})
