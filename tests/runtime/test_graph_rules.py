@@ -35,14 +35,17 @@ CASES = [  # (save, producer, readers, form, bits, why contains)
      "codes", 2, "feature map"),
     (FEATURE_MAP, "aten.convolution.default", _readers(Node("aten.sub.Tensor")), "codes", 2, "feature map"),  # inductor
     (FEATURE_MAP, "aten.relu.default", _readers(RELU_BACKWARD), "sign", 1, "sign bits"),
+    # Auto's nonzeros rule: 4-bit codes of the nonzeros where they fit in 2-bit codes of the map
     (FEATURE_MAP, "aten.relu.default", _readers(RELU_BACKWARD, Node("aten.max_pool2d_with_indices_backward.default")),
-     "codes+sign", 2, "feature map"),
+     "nonzeros", 4, "nonzeros at 4 bits"),
+    (FEATURE_MAP.bfloat16(), "aten.relu.default", _readers(RELU_BACKWARD, Node("aten.convolution_backward.default")),
+     "codes+sign", 2, "feature map"),  # the nonzeros ops are float32's
     (ROWS, "aten.relu.default", _readers(RELU_BACKWARD, Node("aten.mm.default")), "codes+sign", 4, "linear"),
     # inductor's partitioner recomputes ReLU's mask from the save: the sign must survive the codes
     (FEATURE_MAP, "aten.relu.default", _readers(Node("aten.le.Scalar", SAVED, 0), Node("aten.convolution_backward.default")),
-     "codes+sign", 2, "feature map"),
+     "nonzeros", 4, "zeros exact"),
     (FEATURE_MAP, "aten.relu.default", _readers(Node("aten.le.Scalar", SAVED, 0)), "sign", 1, "sign bits"),
-    (FEATURE_MAP, "aten.add.Tensor", _readers(Node("aten.le.Scalar", SAVED, 1)), "codes", 4, "linear"),
+    (FEATURE_MAP, "aten.add.Tensor", _readers(Node("aten.le.Scalar", SAVED, 1)), "codes", 8, "compares"),
     (ROWS, "aten.addmm.default", _readers(Node("aten.gelu_backward.default")), "codes", 4, "linear"),
     (ROWS, "aten.addmm.default", _readers(Node("aten.tanh.default")), "codes", 8, "saturating"),  # recomputed tanh
     (ROWS, "aten._softmax.default", _readers(Node("aten._softmax_backward_data.default")), "codes", 8, "saturating"),
@@ -65,6 +68,39 @@ def test_the_default_policy_in_a_graph(save, producer, readers, form, bits, why)
     config = Config(min_numel=64)
     got = decide(save, producer, readers, GraphWidths.of(config), config)
     assert (got.form, got.bits) == (form, bits) and why in got.why
+
+
+def _chain(*targets: str) -> tuple[Node, Node]:
+    """Backward nodes reading one another in turn, the first reading the save: (first, last)."""
+    nodes = [Node(targets[0], SAVED)]
+    for target in targets[1:]:
+        nodes.append(Node(target, nodes[-1], 0))
+    for node, user in zip(nodes, nodes[1:]):
+        node.users = {user: None}
+    nodes[-1].users = {}
+    return nodes[0], nodes[-1]
+
+
+@pytest.mark.parametrize("chain, compared", [
+    # inductor recomputes relu(bn(x)) from a batch norm's saved input and takes ReLU's mask from it
+    (("aten.sub.Tensor", "aten.mul.Tensor", "aten.mul.Tensor", "aten.add.Tensor", "aten.relu.default",
+      "aten.le.Scalar"), True),
+    (("aten.sub.Tensor", "aten.mul.Tensor", "aten.relu.default", "aten.where.self"), True),
+    (("aten.sub.Tensor", "aten.mul.Tensor", "aten.sum.dim_IntList"), False),  # the norm's backward alone
+    (("aten.sub.Tensor",) + ("aten.mul.Tensor",) * 12 + ("aten.le.Scalar",), False),  # beyond the walk's depth
+])
+def test_a_save_backward_compares_after_recomputing_gets_sensitive_bits(chain, compared):
+    first, _ = _chain(*chain)
+    config = Config(min_numel=64)
+    got = decide(FEATURE_MAP, "aten.convolution.default", _readers(first), GraphWidths.of(config), config)
+    assert (got.form, got.bits, "compares" in got.why) == (("codes", 8, True) if compared else ("codes", 2, False))
+
+
+def test_uniform_bits_keep_relu_outputs_as_codes_and_sign_bits():
+    config = Config(bits=2, min_numel=64)
+    got = decide(FEATURE_MAP, "aten.relu.default", _readers(RELU_BACKWARD, Node("aten.convolution_backward.default")),
+                 GraphWidths.of(config), config)
+    assert (got.form, got.bits) == ("codes+sign", 2)
 
 
 @pytest.mark.parametrize("role, form, bits", [("query", "raw", None), ("key", "raw", None), ("value", "codes", 8),
@@ -96,7 +132,7 @@ def test_uniform_bits_apply_everywhere_and_adaptive_falls_back_to_8_bits_saying_
     adaptive = Config(policy=Adaptive(average=2.0))
     got = decide(ROWS, "aten.addmm.default", _readers(Node("aten.mm.default")), GraphWidths.of(adaptive), adaptive)
     assert got.bits == 8 and "Adaptive policy decides from data at run time" in got.why
-    assert GraphWidths.of(Config(policy=Auto(bits=8, feature_map_bits=4))) == GraphWidths(8, 4, 8)
+    assert GraphWidths.of(Config(policy=Auto(bits=8, feature_map_bits=4))) == GraphWidths(8, 4, 8, nonzeros=True)
 
 
 def test_masks_false_keeps_booleans_raw():

@@ -102,7 +102,9 @@ def test_the_default_policy_gives_a_cnns_feature_maps_2_bits_in_the_graph_and_th
     for row in rows:
         by_why.setdefault(row.why, []).append(row)
     assert {row.bits for row in by_why["in graph: feature map"]} == {2}
-    assert {row.source for row in by_why["in graph: feature map"]} == {"convolution", "relu"}
+    assert {row.source for row in by_why["in graph: feature map"]} == {"convolution"}
+    nonzeros = [row for why, rows in by_why.items() if "nonzeros at 4 bits" in why for row in rows]
+    assert {(row.source, row.bits) for row in nonzeros} == {("relu", 4)}  # ReLU outputs the next conv reads
     assert [row.kind for row in by_why["in graph: ReLU's sign bits only, exact"]] == ["mask"]
     assert all(row.kind == "raw" for row in by_why["in graph, raw: fewer than min_numel elements"])  # BN statistics
     assert sum(row.raw_bytes for row in rows) / sum(row.stored_bytes for row in rows) > 4

@@ -29,7 +29,7 @@ import torch
 __all__ = ["RESTORE_OPS", "SinkRestores", "restores_at_first_use"]
 
 # DAF's ops that begin a restore in a backward graph: their inputs are the graph's saved codes.
-RESTORE_OPS = frozenset({"format1_decode", "format1_decode_signed", "mask_unpack"})
+RESTORE_OPS = frozenset({"format1_decode", "format1_decode_signed", "mask_unpack", "graph_decode_nonzeros"})
 
 
 def _is_restore_op(node: torch.fx.Node) -> bool:

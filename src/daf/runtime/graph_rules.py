@@ -77,6 +77,21 @@ _REGION_READERS = frozenset(f"aten.{name}.default" for name in (
 _SIGN_ONLY = {"aten.threshold_backward.default": 2, "aten.le.Scalar": 1, "aten.gt.Scalar": 1}
 
 _VALUES_WHY = "in graph: attention values (the other operand of softmax's probabilities)"
+_RELU = "aten.relu.default"
+_COMPARISONS = frozenset(f"aten.{name}.{overload}" for name in ("le", "lt", "gt", "ge", "eq", "ne")
+                         for overload in ("Scalar", "Tensor"))
+# Ops that compare one argument's values (at that position): a ReLU's backward against 0, a mask's condition,
+# a max (pooling recomputed in backward, argmax, sort).
+_COMPARED_POSITION = {"aten.threshold_backward.default": 1, "aten.where.self": 0, "aten.where.ScalarSelf": 0,
+                      "aten.where.ScalarOther": 0, "aten.where.Scalar": 0, "aten.max_pool2d_with_indices.default": 0,
+                      "aten.max_pool3d_with_indices.default": 0, "aten._low_memory_max_pool_with_offsets.default": 0,
+                      "aten.argmax.default": 0, "aten.argmin.default": 0, "aten.sort.default": 0,
+                      "aten.topk.default": 0, "aten.sign.default": 0}
+_COMPARE_DEPTH = 10
+_COMPARED_WHY = ("in graph: backward compares values recomputed from it (a ReLU's mask or a pool's maximum, "
+                 "recomputed by the compiler), which coarse codes would move across the comparison")
+_NONZEROS_WHY = ("in graph: a ReLU output's nonzeros at {bits} bits where they fit in {fallback}-bit codes of the map "
+                 "(about half nonzero or less), else at {fallback}; zeros exact")
 _WHY = {"bits": "in graph: linear, norm or activation input", "feature_map_bits": "in graph: feature map",
         "sensitive_bits": "in graph: saturating derivative or attention values"}
 
@@ -89,12 +104,14 @@ class GraphWidths:
     feature_map_bits: int
     sensitive_bits: int
     fallback: str = ""  # why the policy's own widths could not be used, or ""
+    nonzeros: bool = False  # a ReLU output's nonzeros at ``bits`` where they fit in ``feature_map_bits`` codes
 
     @staticmethod
     def of(config: Config) -> "GraphWidths":
         policy = config.policy
         if isinstance(policy, Auto):
-            return GraphWidths(policy.bits, policy.feature_map_bits, policy.sensitive_bits)
+            return GraphWidths(policy.bits, policy.feature_map_bits, policy.sensitive_bits,
+                               nonzeros=policy.bits > policy.feature_map_bits)
         if isinstance(policy, Uniform) and config.bits is not None:
             return GraphWidths(config.bits, config.bits, config.bits)
         name = type(policy).__name__
@@ -106,12 +123,15 @@ class GraphWidths:
 @dataclass(frozen=True)
 class Decision:
     """How one save is packed. ``form``: "codes", "codes+sign" (codes and the exact sign bits, when a ReLU's
-    backward reads the save besides ops that read its values), "sign" (the sign bits alone: only a ReLU's
+    backward reads the save besides ops that read its values), "nonzeros" (a float32 ReLU output read so under
+    ``Auto``: its sign bits and the codes of its nonzeros at ``bits`` where they fit in ``fallback_bits`` codes of
+    the whole map, else at ``fallback_bits``; ``daf.kernels.graph_ops``), "sign" (the sign bits alone: only a ReLU's
     backward reads it), "mask" (a boolean, 1 bit per element) or "raw"; ``bits`` is the code width."""
 
     form: str
     bits: int | None
     why: str
+    fallback_bits: int | None = None
 
 
 @dataclass(frozen=True)
@@ -141,13 +161,16 @@ def decide(x: torch.Tensor, producer: str | None, readers: Readers | None, width
     if any(str(node.target) in _REGION_READERS for node in nodes):
         return Decision("raw", None, "in graph, raw: read against its bounds by hardtanh's, leaky ReLU's or "
                                      "hardsigmoid's backward (eager DAF stores the region's bit; graphs do not yet)")
-    rule = "sensitive_bits" if fused is not None or values else _rule(x, producer, nodes)
+    compared = readers is not None and compared_in_backward(readers)
+    rule = "sensitive_bits" if fused is not None or values or compared else _rule(x, producer, nodes)
     bits = getattr(widths, rule)
-    why = _VALUES_WHY if values and fused is None else _WHY[rule]
+    why = _COMPARED_WHY if compared else _VALUES_WHY if values and fused is None else _WHY[rule]
     why += f" ({widths.fallback})" if widths.fallback else ""
     signs = [node for node in nodes if _reads_sign_only(node)]
     if signs and len(signs) == len(nodes):
         return Decision("sign", 1, "in graph: ReLU's sign bits only, exact")
+    if signs and widths.nonzeros and rule == "feature_map_bits" and producer == _RELU and x.dtype == torch.float32:
+        return Decision("nonzeros", widths.bits, _NONZEROS_WHY.format(bits=widths.bits, fallback=bits), bits)
     return Decision("codes+sign" if signs else "codes", bits, why)
 
 
@@ -218,6 +241,40 @@ def values_of_probabilities(node: Any) -> bool:
 def _probabilities(node: Any) -> bool:
     """Whether ``node`` is softmax's output past views (whole, or inductor's ``exp`` tail)."""
     return producer_of(node) in ("aten._softmax.default", "aten._safe_softmax.default", "aten.exp.default")
+
+
+def compared_in_backward(readers: Readers, depth: int = _COMPARE_DEPTH) -> bool:
+    """Whether backward compares a value computed from the save (past its direct sign-only readers): inductor's
+    partitioner recomputes cheap forward ops in backward from what it saved, so a batch norm's input comes back
+    as ``relu(bn(x))`` whose ``le(., 0)`` is ReLU's mask, and a pooled map's max is taken again. From decoded
+    codes such a comparison flips wherever an element lies within a code step of the threshold (or of the
+    pool's maximum), and the gradient passes where it should not: a ResNet-style net compiled with 2-bit codes
+    of its batch norm inputs had gradient cosine 0.84, 0.27 with large channels (0.99 with those inputs raw).
+    Walks the backward graph from the save through ``depth`` ops to a compared argument."""
+    values = [node for node in readers.nodes if not _reads_sign_only(node)]
+    if any(_compared_argument(node, source) for node in values for source in readers.sources):
+        return True
+    pending, seen = [(node, 1) for node in values], set(values)
+    while pending:
+        current, level = pending.pop()
+        if level > depth:
+            continue
+        for user in getattr(current, "users", ()):
+            if _compared_argument(user, current):
+                return True
+            if user not in seen:
+                seen.add(user)
+                pending.append((user, level + 1))
+    return False
+
+
+def _compared_argument(node: Any, value: Any) -> bool:
+    """Whether ``node`` compares ``value`` (one of its arguments), as opposed to only computing with it."""
+    target = str(node.target)
+    if target in _COMPARISONS:
+        return value in node.args[:2]
+    position = _COMPARED_POSITION.get(target)
+    return position is not None and len(node.args) > position and node.args[position] is value
 
 
 def _reads_sign_only(node: Any) -> bool:

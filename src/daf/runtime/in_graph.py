@@ -142,6 +142,10 @@ def _codec(config: Config, widths: GraphWidths,
             saves.record(graph, _row(node, x, decision, group_size))
         if decision.form == "raw":
             return x
+        if decision.form == "nonzeros":
+            payload, sign = torch.ops.daf.graph_pack_nonzeros(x, list(order), decision.bits, decision.fallback_bits,
+                                                              group_size, node.name if node is not None else "")
+            return "nonzeros", (decision.bits, decision.fallback_bits), payload, sign, tuple(x.shape), order, x.dtype
         codes, signs = decision.form in ("codes", "codes+sign"), decision.form in ("sign", "codes+sign")
         payload, second = torch.ops.daf.graph_pack(x, list(order), decision.bits or 0, group_size, codes, signs,
                                                    node.name if node is not None else "")
@@ -159,6 +163,9 @@ def _codec(config: Config, widths: GraphWidths,
             numel *= size
         if form == "mask":
             flat = torch.logical_xor(torch.ops.daf.mask_unpack(payload, numel), sign)
+            return restore_memory_order(flat, shape, order)
+        if form == "nonzeros":
+            flat = torch.ops.daf.graph_decode_nonzeros(payload, sign, numel, bits[0], bits[1], group_size)
             return restore_memory_order(flat, shape, order)
         if form == "sign":
             flat = torch.ops.daf.mask_unpack(sign, numel).to(dtype)
@@ -213,6 +220,9 @@ def _row(node: Any, x: torch.Tensor, decision: Decision, group_size: int) -> Sit
         stored, kind = raw, "raw"
     elif decision.form in ("mask", "sign"):
         stored, kind = mask_bytes(numel), "mask"
+    elif decision.form == "nonzeros":
+        # the buffer holds fallback-bit codes of the whole map (daf.kernels.graph_ops.nonzeros_bytes)
+        stored, kind = payload_bytes(numel, decision.fallback_bits, group_size) + mask_bytes(numel), "compressed"
     else:
         stored = payload_bytes(numel, decision.bits, group_size)
         stored += mask_bytes(numel) if decision.form == "codes+sign" else 0
