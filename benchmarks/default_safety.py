@@ -10,6 +10,7 @@ the stored ratio (bytes autograd would keep / bytes DAF holds, from ``daf.report
     python benchmarks/default_safety.py                                   # daf.wrap(model)
     python benchmarks/default_safety.py --config bits=8,rounding=nearest  # the 8-bit check
     python benchmarks/default_safety.py --json docs/results/default_safety.json
+    python benchmarks/default_safety.py --compile                        # torch.compile(daf.wrap(model))
 """
 
 from __future__ import annotations
@@ -127,17 +128,21 @@ def with_large_channels(model: nn.Module) -> nn.Module:
     return model
 
 
-def gradient(model: nn.Module, arch: Arch, batch: Any) -> torch.Tensor:
+def gradient(model: nn.Module, arch: Arch, batch: Any, call: Any = None) -> torch.Tensor:
+    """The gradient of all of ``model``'s parameters, concatenated; ``call``: what runs it (a compiled
+    ``model``), else ``model``."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
-    arch.loss(model, batch).backward()
+    arch.loss(model if call is None else call, batch).backward()
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
                       for p in model.parameters() if p.requires_grad])
 
 
-def measure(arch: Arch, large: bool, config: dict[str, Any], steps: int) -> dict[str, Any]:
+def measure(arch: Arch, large: bool, config: dict[str, Any], steps: int, compiled: bool = False) -> dict[str, Any]:
     """Cosine of DAF's gradient to plain autograd's after ``steps - 1`` warm-up steps on the same batch (no
-    optimizer step: the weights stay), and the stored ratio of the last."""
+    optimizer step: the weights stay), and the stored ratio of the last. ``compiled``: the steps run
+    ``torch.compile(daf.wrap(model))`` (inductor; at least two steps, the first compiles), against plain eager
+    autograd's gradient, and the ratio is the compiled graphs' saves' (``daf.report``'s graph rows)."""
     base = arch.make()
     if large:
         with_large_channels(base)
@@ -145,9 +150,13 @@ def measure(arch: Arch, large: bool, config: dict[str, Any], steps: int) -> dict
     reference = gradient(base, arch, batch)
     model = copy.deepcopy(base)
     daf.wrap(model, **config)
+    call = torch.compile(model) if compiled else None
+    if compiled:
+        torch._dynamo.reset()
+        gradient(model, arch, batch, call)  # compiles
     started = time.perf_counter()
     for _ in range(steps):
-        g = gradient(model, arch, batch)
+        g = gradient(model, arch, batch, call)
     report = daf.report(model)
     daf.unwrap(model)
     return {"cosine": float(F.cosine_similarity(g, reference, dim=0)),
@@ -172,25 +181,27 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa", choices=("eager", "sdpa"))
     parser.add_argument("--steps", type=int, default=1, help="steps on the batch; the last is measured")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="torch.compile(daf.wrap(model)), inductor")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = _parse_config(args.config)
     known = {**archs(args.attention), **cnn_archs()}
     rows: dict[str, dict[str, Any]] = {}
-    print(f"daf.wrap(model{''.join(f', {k}={v!r}' for k, v in config.items())}), attention {args.attention}")
+    wrapped = f"daf.wrap(model{''.join(f', {k}={v!r}' for k, v in config.items())})"
+    print(f"{f'torch.compile({wrapped})' if args.compile else wrapped}, attention {args.attention}")
     print(f"{'case':22s} {'cosine':>8s} {'rel err':>8s} {'ratio':>7s} {'stored MiB':>11s}")
     for name in args.archs.split(","):
         for large in (False, True):
             case = f"{name}{' +large' if large else ''}"
-            rows[case] = row = measure(known[name], large, config, args.steps)
+            rows[case] = row = measure(known[name], large, config, args.steps, args.compile)
             print(f"{case:22s} {row['cosine']:8.4f} {row['rel_error']:8.4f} {row['ratio']:7.2f} "
                   f"{row['stored_bytes'] / 2**20:11.2f}", flush=True)
     cosines = [r["cosine"] for r in rows.values()]
     ratios = [r["ratio"] for r in rows.values()]
     print(f"min cosine {min(cosines):.4f}, median stored ratio {statistics.median(ratios):.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "daf_config": config,
+        Path(args.json).write_text(json.dumps({"torch": torch.__version__, "daf_config": config, "compiled": args.compile,
                                                "attention": args.attention, "rows": rows}, indent=1))
 
 

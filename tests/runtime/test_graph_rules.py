@@ -197,6 +197,8 @@ LINEAR_GRAPH = _graph(lambda x, w: torch.relu(x @ w), torch.randn(8, 8), torch.r
     # already channels-last in the trace, or not dense: as the trace says
     (FEATURE_MAP.contiguous(memory_format=torch.channels_last), CONV_GRAPH, "aten.relu.default", _readers(), (0, 2, 3, 1)),
     (FEATURE_MAP[:, :, :, ::2], CONV_GRAPH, "aten.relu.default", _readers(), None),
+    # a concatenation's channels come from different maps, at different scales: grouped inside a channel
+    (FEATURE_MAP, CONV_GRAPH, "aten.cat.default", _readers(Node("aten.convolution_backward.default")), (0, 1, 2, 3)),
 ])
 def test_a_save_is_flattened_in_the_order_the_compiled_graph_will_lay_it_out(save, graph, producer, readers, order):
     from daf.runtime.graph_rules import memory_order
@@ -214,3 +216,25 @@ def test_a_positive_element_restored_at_the_floor_multiplies_a_gradient_without_
     if dtype != torch.float16:  # float16's products are computed in float32: no denormal from its floor
         gradients = torch.tensor([2.0 ** -60, 1e-6, 1.0, 1e6], dtype=torch.float32)
         assert bool((floor.float() * gradients >= torch.finfo(torch.float32).tiny).all())
+
+
+class ForwardNode(Node):
+    def __init__(self, target: object, *users: Node) -> None:
+        super().__init__(target)
+        self.users = {user: None for user in users}
+
+
+@pytest.mark.parametrize("producer, node, bits", [
+    ("aten.convolution.default", ForwardNode("aten.convolution.default", ForwardNode("aten.relu.default")), 2),
+    # a ConvNeXt's map turned channels-last for its LayerNorm (past a view): a transformer's use, Auto.bits
+    ("aten.convolution.default", ForwardNode("aten.convolution.default", ForwardNode(
+        "aten.view.default", ForwardNode("aten.permute.default"))), 4),
+    ("aten.add.Tensor", ForwardNode("aten.add.Tensor"), 4),  # a residual stream: made by an add, not a CNN's op
+    ("aten.cat.default", ForwardNode("aten.cat.default"), 2),
+])
+def test_only_what_a_cnns_ops_make_and_keep_channels_first_is_a_feature_map(producer, node, bits):
+    from daf.runtime.graph_rules import permuted_in_forward
+    config = Config(min_numel=64)
+    got = decide(FEATURE_MAP, producer, _readers(Node("aten.convolution_backward.default")), GraphWidths.of(config),
+                 config, permuted=permuted_in_forward(node))
+    assert (got.form, got.bits) == ("codes", bits)

@@ -38,8 +38,8 @@ from daf.config import Config
 from daf.format import mask_bytes, payload_bytes, restore_memory_order
 from daf.report import SiteRow
 from daf.runtime.graph_order import restores_at_first_use
-from daf.runtime.graph_rules import (Decision, GraphWidths, Readers, decide, memory_order, producer_of,
-                                     readers_of, values_of_probabilities)
+from daf.runtime.graph_rules import (Decision, GraphWidths, Readers, decide, memory_order, permuted_in_forward,
+                                     producer_of, readers_of, values_of_probabilities)
 from daf.tracing.threads import PerThreadStack
 
 __all__ = ["GraphHooks", "GraphSaves", "in_graph_hooks", "in_graph_limits", "positive_floor"]
@@ -136,7 +136,8 @@ def _codec(config: Config, widths: GraphWidths,
         producer = producer_of(node) if node is not None else None
         order = memory_order(x, graph, producer, readers)
         decision = (decide(x, producer, readers, widths, config,
-                           values=node is not None and values_of_probabilities(node))
+                           values=node is not None and values_of_probabilities(node),
+                           permuted=node is not None and permuted_in_forward(node))
                     if order is not None else Decision("raw", None, _STRIDED))
         if saves is not None and node is not None:
             saves.record(graph, _row(node, x, decision, group_size))
