@@ -15,7 +15,8 @@ The hooks encode with DAF's own ops (``torch.ops.daf.format1_encode``/``format1_
 implementations let AOTAutograd trace them), so eager and compiled saves share one format. Each save's
 width and form are decided while the graph is traced, from the graph (``daf.runtime.graph_rules``: the
 policy's widths where op, shape and dtype say which rule applies, exact sign bits where only a ReLU's
-backward reads a save, booleans as 1-bit masks, fused attention's q and k raw), and recorded in
+backward reads a save, a ReLU output's nonzeros under ``Auto``, 8 bits where backward recomputes a value it
+compares, booleans as 1-bit masks, fused attention's q and k raw), and recorded in
 ``GraphSaves``, which ``daf.report`` shows. What the eager path adds beyond that is absent: no derived
 forms (remakes) or sharing, no exponent guard (q and k stay raw instead), no outlier split (plain min/max
 groups whatever ``Config.codec``), no floors, nearest rounding only (a seed in a graph is a constant:
