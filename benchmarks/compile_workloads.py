@@ -1,11 +1,12 @@
 """The three workloads under torch.compile with DAF at 8 bits, nearest (issue 39): gradient cosine to compiled fp32.
 
 python benchmarks/compile_workloads.py [--workloads resnet18-fmnist,minilm-tweets,smollm-lora] [--batch 8]
-    [--backend inductor] [--json FILE]
+    [--backend inductor] [--default] [--json FILE]
 
 Each workload's own model (pretrained weights and LoRA where it has them) and first batch, one step's gradient
 of the trainable parameters three ways: ``torch.compile(m)``, ``torch.compile(daf.wrap(m, bits=8,
-rounding="nearest"))`` and ``daf.wrap(torch.compile(m), ...)``, each from the same initial state. Prints a
+rounding="nearest"))`` and ``daf.wrap(torch.compile(m), ...)``, each from the same initial state (``--default``:
+``daf.wrap(m)``'s own config, the audit off as in the 8-bit runs). Prints a
 table of cosines and the graphs' stored ratio; no timings (compiling dominates).
 """
 
@@ -30,12 +31,12 @@ def _gradient(workload, model: torch.nn.Module, run: torch.nn.Module, batch) -> 
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad and p.grad is not None])
 
 
-def measure(name: str, batch_size: int, backend: str) -> dict:
+def measure(name: str, batch_size: int, backend: str, default: bool = False) -> dict:
     workload = get_workload(name, **OPTIONS[name])
     base = workload.build_model()
     base.train()
     batch = next(iter(workload.batches(batch_size, 1)))
-    config = dict(bits=8, rounding="nearest", audit=daf.Audit(every=0))
+    config = dict(audit=daf.Audit(every=0)) if default else dict(bits=8, rounding="nearest", audit=daf.Audit(every=0))
     out = {"workload": name, "batch": batch_size}
     torch._dynamo.reset()
     plain = copy.deepcopy(base)
@@ -60,9 +61,10 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(OPTIONS))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--default", action="store_true", help="daf.wrap(m)'s default config instead of 8 bits")
     parser.add_argument("--json")
     args = parser.parse_args()
-    rows = [measure(name, args.batch, args.backend) for name in args.workloads.split(",")]
+    rows = [measure(name, args.batch, args.backend, args.default) for name in args.workloads.split(",")]
     print(f"{'workload':>16} {'order':>18} {'grad cos':>10} {'graph ratio':>12}")
     for row in rows:
         for order in ("compile(wrap(m))", "wrap(compile(m))"):
