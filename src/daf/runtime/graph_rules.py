@@ -216,9 +216,11 @@ def memory_order(x: torch.Tensor, graph: Any, producer: str | None, readers: Rea
     the CPU in a graph with a convolution: inductor lays out such graphs channels-last whenever oneDNN is
     available (``GraphLowering.decide_layout_opt``), a layout the trace does not show. Flattened in the
     trace's order, each such save cost a transposing copy in forward and another in backward (ResNet-18's
-    compiled step: 20% of it). A wrong guess costs those copies and changes no value: the order is a view's. A concatenation's output keeps the trace's order: its channels come from different tensors, often at different
-    scales (a U-Net's skip and upsampled maps), and groups across channels left the smaller ones a level or two
-    (a U-Net compiled at the default: gradient cosine 0.937 -> 0.971; the copies are the price)."""
+    compiled step: 20% of it). A wrong guess costs those copies and changes no value: the order is a view's.
+
+    A concatenation's output keeps the trace's order: its channels come from different tensors, often at
+    different scales (a U-Net's skip and upsampled maps), and groups across channels left the smaller ones a
+    level or two (a U-Net compiled at the default: gradient cosine 0.937 -> 0.971; the copies are the price)."""
     order = dense_order(x)
     if (order != tuple(range(4)) or x.device.type != "cpu" or graph is None
             or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled):
