@@ -223,8 +223,8 @@ def _row(node: Any, x: torch.Tensor, decision: Decision, group_size: int) -> Sit
     elif decision.form in ("mask", "sign"):
         stored, kind = mask_bytes(numel), "mask"
     elif decision.form == "nonzeros":
-        # the buffer holds fallback-bit codes of the whole map (daf.kernels.graph_ops.nonzeros_bytes)
-        stored, kind = payload_bytes(numel, decision.fallback_bits, group_size) + mask_bytes(numel), "compressed"
+        from daf.kernels.graph_ops import nonzeros_bytes  # loaded by in_graph_hooks already; not at import daf
+        stored, kind = nonzeros_bytes(numel, decision.fallback_bits, group_size) + mask_bytes(numel), "compressed"
     else:
         stored = payload_bytes(numel, decision.bits, group_size)
         stored += mask_bytes(numel) if decision.form == "codes+sign" else 0
